@@ -1,0 +1,5 @@
+import sys
+
+from sddoctor.cli import main
+
+sys.exit(main())

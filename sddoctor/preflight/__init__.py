@@ -1,0 +1,1 @@
+"""`sddoctor check-nccl`: environment checks and a real collective bandwidth test."""

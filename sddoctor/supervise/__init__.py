@@ -1,0 +1,1 @@
+"""`sddoctor run`: launch a DDP job, watch its ranks, diagnose, report."""

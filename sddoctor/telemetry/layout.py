@@ -1,0 +1,149 @@
+"""Where things live inside a run directory.
+
+RUN_DIR/
+  run.json                 command, start time, host, world size, sddoctor version, schema version
+  ranks/rank-00003.jsonl   append-only events of global rank 3
+  ranks/rank-00003.state   latest snapshot of rank 3, replaced atomically about once a second
+  stacks/                  stack dumps taken by the supervisor
+  report.json, report.md   the diagnosis
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sddoctor.telemetry.schema import SCHEMA_VERSION
+
+#: Environment variable through which `sddoctor run` hands its run directory to every rank.
+RUN_DIR_ENV = "SDDOCTOR_RUN_DIR"
+
+_RANK_FILE = re.compile(r"rank-(\d+)\.(jsonl|state)$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run directory. Creating the object touches nothing on disk."""
+
+    path: Path
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def ranks_dir(self) -> Path:
+        return self.path / "ranks"
+
+    @property
+    def stacks_dir(self) -> Path:
+        return self.path / "stacks"
+
+    @property
+    def report_json(self) -> Path:
+        return self.path / "report.json"
+
+    @property
+    def report_md(self) -> Path:
+        return self.path / "report.md"
+
+    def events_file(self, rank: int) -> Path:
+        return self.ranks_dir / f"rank-{rank:05d}.jsonl"
+
+    def state_file(self, rank: int) -> Path:
+        return self.ranks_dir / f"rank-{rank:05d}.state"
+
+    def ranks(self) -> list[int]:
+        """Global ranks that have written anything, sorted."""
+        if not self.ranks_dir.is_dir():
+            return []
+        found = set()
+        for entry in self.ranks_dir.iterdir():
+            m = _RANK_FILE.match(entry.name)
+            if m:
+                found.add(int(m.group(1)))
+        return sorted(found)
+
+    def ensure(self) -> RunDir:
+        self.ranks_dir.mkdir(parents=True, exist_ok=True)
+        self.stacks_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def write_run_info(self, **fields: Any) -> dict[str, Any]:
+        """Write run.json (atomically), merged over what is there already."""
+        from sddoctor import __version__
+
+        info: dict[str, Any] = {}
+        if self.run_json.exists():
+            try:
+                info = json.loads(self.run_json.read_text())
+            except (OSError, ValueError):
+                info = {}
+        info.setdefault("v", SCHEMA_VERSION)
+        info.setdefault("created", time.time())
+        info.setdefault("host", socket.gethostname())
+        info.setdefault("sddoctor_version", __version__)
+        info.update(fields)
+        atomic_write_text(self.run_json, json.dumps(info, indent=2, default=str))
+        return info
+
+    def run_info(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.run_json.read_text())
+        except (OSError, ValueError):
+            return {}
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def new_run_dir(base: str | os.PathLike[str], prefix: str = "run") -> RunDir:
+    """Create a fresh, uniquely named run directory under `base` (e.g. ./sddoctor-runs/)."""
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        name = f"{prefix}-{stamp}" if i == 0 else f"{prefix}-{stamp}-{i}"
+        candidate = base / name
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return RunDir(candidate).ensure()
+    raise RuntimeError(f"could not create a new run directory under {base}")
+
+
+def find_latest_run(*bases: str | os.PathLike[str]) -> RunDir | None:
+    """The most recently modified run directory (one holding run.json or ranks/) under any base."""
+    best: tuple[float, Path] | None = None
+    for base in bases:
+        base = Path(base)
+        if not base.is_dir():
+            continue
+        for candidate in base.iterdir():
+            marker = candidate / "ranks"
+            if not (marker.is_dir() or (candidate / "run.json").exists()):
+                continue
+            try:
+                mtime = max(
+                    p.stat().st_mtime for p in [candidate, *(marker.iterdir() if marker.is_dir() else [])]
+                )
+            except OSError:
+                continue
+            if best is None or mtime > best[0]:
+                best = (mtime, candidate)
+    return RunDir(best[1]) if best else None

@@ -1,0 +1,144 @@
+"""The rank-side writer: cheap to call from the training thread, flushed by a background thread.
+
+`emit()` only appends a dict to a deque (no lock, no I/O); a daemon thread turns the queue
+into JSON lines every `flush_interval` seconds and rewrites the state snapshot atomically at
+most every `state_interval` seconds. State providers (callables returning a dict) let other
+components, such as the collective tracer, contribute to the snapshot at flush time instead of
+on their hot path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sddoctor.telemetry.layout import RunDir, atomic_write_text
+from sddoctor.telemetry.schema import SCHEMA_VERSION, EventKind
+
+StateProvider = Callable[[], dict[str, Any]]
+
+
+class TelemetryWriter:
+    """Buffered event log and state snapshot of one rank."""
+
+    def __init__(
+        self,
+        run_dir: RunDir | str | os.PathLike[str],
+        rank: int,
+        *,
+        flush_interval: float = 0.5,
+        state_interval: float = 1.0,
+        start_thread: bool = True,
+    ) -> None:
+        self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        self.run_dir.ranks_dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.flush_interval = flush_interval
+        self.state_interval = state_interval
+        self._events: collections.deque[dict[str, Any]] = collections.deque()
+        self._state: dict[str, Any] = {
+            "v": SCHEMA_VERSION,
+            "rank": rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+        self._providers: list[StateProvider] = []
+        self._io_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last_state_write = 0.0
+        self._events_path = self.run_dir.events_file(rank)
+        self._state_path = self.run_dir.state_file(rank)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._loop, name=f"sddoctor-telemetry-{rank}", daemon=True)
+            self._thread.start()
+        atexit.register(self.close)
+
+    # -- called from the training thread: no I/O ---------------------------------------------
+
+    def emit(self, kind: EventKind | str, **fields: Any) -> dict[str, Any]:
+        """Queue one event. Returns it (handy in tests)."""
+        event = {"v": SCHEMA_VERSION, "t": time.time(), "rank": self.rank, "kind": str(kind), **fields}
+        self._events.append(event)
+        return event
+
+    def update_state(self, **fields: Any) -> None:
+        """Merge fields into the next state snapshot."""
+        self._state.update(fields)
+
+    def add_state_provider(self, provider: StateProvider) -> None:
+        """Register a callable whose dict is merged into every snapshot (called off the training thread)."""
+        self._providers.append(provider)
+
+    # -- I/O ------------------------------------------------------------------------------------
+
+    def flush(self, *, state: bool = True) -> None:
+        """Write queued events and (if `state`) the snapshot now. Safe from any thread."""
+        with self._io_lock:
+            self._flush_events()
+            if state:
+                self._write_state()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        try:
+            self.flush()
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.flush_interval):
+            try:
+                with self._io_lock:
+                    self._flush_events()
+                    if time.monotonic() - self._last_state_write >= self.state_interval:
+                        self._write_state()
+            except Exception:  # noqa: BLE001 - telemetry must never kill training
+                pass
+
+    def _flush_events(self) -> None:
+        if not self._events:
+            return
+        lines = []
+        while self._events:
+            try:
+                lines.append(json.dumps(self._events.popleft(), default=_json_default))
+            except IndexError:
+                break
+        with open(self._events_path, "a", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    def _write_state(self) -> None:
+        snapshot = dict(self._state)
+        for provider in list(self._providers):
+            try:
+                snapshot.update(provider())
+            except Exception as exc:  # noqa: BLE001
+                snapshot.setdefault("provider_errors", []).append(repr(exc))
+        snapshot["t"] = time.time()
+        atomic_write_text(self._state_path, json.dumps(snapshot, default=_json_default))
+        self._last_state_write = time.monotonic()
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        try:
+            return obj.item()
+        except Exception:  # noqa: BLE001
+            pass
+    return str(obj)

@@ -1,0 +1,1 @@
+"""`sddoctor tui`: the Textual app. Reads sddoctor.gpu and run telemetry."""

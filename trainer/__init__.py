@@ -1,0 +1,1 @@
+"""The bundled, instrumented DDP Stable Diffusion trainer (`python -m trainer`)."""
