@@ -137,7 +137,7 @@ def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]
 
     colls = st.get("collectives") if isinstance(st.get("collectives"), dict) else {}
     inflight = [c for c in colls.get("inflight") or [] if isinstance(c, dict)]
-    oldest = min(inflight, key=lambda c: _float(c.get("since")) or now) if inflight else None
+    oldest = min(inflight, key=lambda c: _since(c, now)) if inflight else None
     done = colls.get("last_done") if isinstance(colls.get("last_done"), dict) else None
     if done:
         dur = _float(done.get("duration"))
@@ -165,8 +165,8 @@ def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]
     elif any(str(v.get("kind", "")).startswith("hang") for v in mine):
         v = next(v for v in mine if str(v.get("kind", "")).startswith("hang"))
         status.state, status.state_text = "hung", str(v.get("summary") or "hung")
-    elif oldest is not None and now - (_float(oldest.get("since")) or now) >= COLLECTIVE_SHOWN_AFTER:
-        age = now - (_float(oldest.get("since")) or now)
+    elif oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
+        age = now - _since(oldest, now)
         status.state = "hung" if age >= HUNG_AFTER else "collective"
         status.state_text = f"in {oldest.get('op', 'collective')} #{oldest.get('seq', '?')} for {age:.0f} s"
     elif status.heartbeat_age is not None and status.heartbeat_age >= SILENT_AFTER:
@@ -186,6 +186,11 @@ def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]
     for v in mine:
         status.notes.append(f"{v.get('severity', 'info')}: {v.get('summary', v.get('kind'))}")
     return status
+
+
+def _since(collective: dict[str, Any], now: float) -> float:
+    since = _float(collective.get("since"))
+    return now if since is None else since
 
 
 def _crash_text(exit_ev: dict[str, Any], exc: dict[str, Any] | None) -> str:
