@@ -124,3 +124,16 @@ async def test_no_run_says_how_to_get_one():
         await _ready(app, pilot)
         assert "no run found" in app.query_one("#ranks").border_title
         assert _column(app.query_one("#procs"), 3) == ["-"] * 6
+
+
+async def test_mouse_click_selects_then_opens_a_rank(demo_run):
+    app = MonitorApp(demo_collector(), demo_feed(demo_run), interval=3600, clock=frozen_clock)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await _ready(app, pilot)
+        await pilot.pause(0.1)  # let the layout settle after the first data
+        ranks = app.query_one("#ranks")
+        # the border-top takes one line and the header another: the third line is row 1
+        await pilot.click("#ranks", offset=(3, 3))
+        assert ranks.cursor_row == 1 and not isinstance(app.screen, RankScreen)
+        await pilot.click("#ranks", offset=(3, 3))
+        assert isinstance(app.screen, RankScreen) and app.screen.rank.rank == 1

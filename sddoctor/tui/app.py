@@ -18,7 +18,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets import Footer, Input, Static
 
 from sddoctor.gpu.collector import Collector
 from sddoctor.gpu.overview import Overview
@@ -26,7 +26,23 @@ from sddoctor.gpu.rankfeeds import RankFeed, RankReport, latest_stack_dump
 from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSample, GpuSnapshot
 from sddoctor.tui.format import bar, gib, loss, mib, num, pct, rate, sparkline
+from sddoctor.tui.rowtable import RowTable
 
+PROCESS_COLUMNS = ["GPU", "PID", "Rank", "Match", "User", "GPU MiB", "CPU%", "RSS MiB", "Command", "Flags"]
+RANK_COLUMNS = [
+    "Rank",
+    "Node",
+    "PID",
+    "GPU",
+    "Step",
+    "Loss",
+    "it/s",
+    "img/s",
+    "State",
+    "Detail",
+    "Last collective",
+    "Call site",
+]
 PROCESS_SORTS = ("gpu memory", "cpu", "pid", "rank", "gpu")
 RANK_SORTS = ("rank", "step", "it/s", "state")
 STATE_STYLE = {
@@ -151,7 +167,7 @@ class MonitorApp(App[None]):
     #alerts { height: auto; max-height: 8; padding: 0 1; background: $boost; }
     #filter { dock: bottom; display: none; }
     #filter.shown { display: block; }
-    DataTable { border-top: solid $primary-darken-2; }
+    RowTable { border-top: solid $primary-darken-2; }
     """
     BINDINGS = [
         Binding("question_mark", "help", "Help"),
@@ -194,32 +210,14 @@ class MonitorApp(App[None]):
         yield Static("starting...", id="host")
         with Vertical(id="gpus"):
             yield Static("reading GPUs...", id="gpu-lines")
-        yield DataTable(id="procs", cursor_type="row", zebra_stripes=True)
-        yield DataTable(id="ranks", cursor_type="row", zebra_stripes=True)
+        yield RowTable(PROCESS_COLUMNS, id="procs")
+        yield RowTable(RANK_COLUMNS, id="ranks")
         yield Static("", id="alerts")
         yield Input(placeholder="filter rows (Enter keeps it, Esc clears)", id="filter")
         yield Footer()
 
     def on_mount(self) -> None:
-        procs = self.query_one("#procs", DataTable)
-        procs.add_columns(
-            "GPU", "PID", "Rank", "Match", "User", "GPU MiB", "CPU%", "RSS MiB", "Command", "Flags"
-        )
-        ranks = self.query_one("#ranks", DataTable)
-        ranks.add_columns(
-            "Rank",
-            "Node",
-            "PID",
-            "GPU",
-            "Step",
-            "Loss",
-            "it/s",
-            "img/s",
-            "State",
-            "Detail",
-            "Last collective",
-            "Call site",
-        )
+        procs, ranks = self.query_one("#procs", RowTable), self.query_one("#ranks", RowTable)
         procs.border_title = "processes"
         ranks.border_title = "ranks"
         self.collector.source.start_background()
@@ -355,7 +353,7 @@ class MonitorApp(App[None]):
     def _render_processes(self) -> None:
         ov = self.overview
         assert ov is not None
-        table = self.query_one("#procs", DataTable)
+        table = self.query_one("#procs", RowTable)
         rows = []
         for g in ov.snapshot.gpus:
             for p in g.processes:
@@ -390,7 +388,7 @@ class MonitorApp(App[None]):
     def _render_ranks(self) -> None:
         ov = self.overview
         assert ov is not None
-        table = self.query_one("#ranks", DataTable)
+        table = self.query_one("#ranks", RowTable)
         ranks = list(ov.report.ranks)
         which = RANK_SORTS[self.rank_sort]
         if which == "step":
@@ -429,18 +427,8 @@ class MonitorApp(App[None]):
             title += ": no run found (use --run-dir or --connect)"
         table.border_title = title
 
-    def _fill(self, table: DataTable, rows: list[tuple[str, list[Any]]]) -> None:
-        """Replace the rows, keeping the highlighted row where it was (by key)."""
-        current = None
-        if table.row_count and table.cursor_row is not None and 0 <= table.cursor_row < table.row_count:
-            current = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value
-        table.clear()
-        for key, cells in rows:
-            table.add_row(*cells, key=key)
-        if current is not None:
-            keys = [k for k, _ in rows]
-            if current in keys:
-                table.move_cursor(row=keys.index(current), animate=False)
+    def _fill(self, table: RowTable, rows: list[tuple[str, list[Any]]]) -> None:
+        table.set_rows([(k, [c if isinstance(c, Text) else Text(c) for c in cells]) for k, cells in rows])
 
     def _render_alerts(self) -> None:
         ov = self.overview
@@ -466,7 +454,7 @@ class MonitorApp(App[None]):
             self.push_screen(HelpScreen())
 
     def action_sort(self) -> None:
-        if self.focused is self.query_one("#ranks", DataTable):
+        if self.focused is self.query_one("#ranks", RowTable):
             self.rank_sort = (self.rank_sort + 1) % len(RANK_SORTS)
         else:
             self.proc_sort = (self.proc_sort + 1) % len(PROCESS_SORTS)
@@ -482,7 +470,7 @@ class MonitorApp(App[None]):
         box.value = ""
         box.remove_class("shown")
         self.filter_text = ""
-        self.query_one("#procs", DataTable).focus()
+        self.query_one("#procs", RowTable).focus()
         self._render()
 
     def on_input_changed(self, event: Input.Changed) -> None:
@@ -491,14 +479,14 @@ class MonitorApp(App[None]):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.input.remove_class("shown")
-        self.query_one("#ranks", DataTable).focus()
+        self.query_one("#ranks", RowTable).focus()
 
     def action_pause(self) -> None:
         self.paused = not self.paused
         self._render()
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        if event.data_table.id != "ranks" or self.overview is None:
+    def on_row_table_row_selected(self, event: RowTable.RowSelected) -> None:
+        if event.table.id != "ranks" or self.overview is None:
             return
         index = event.cursor_row
         if 0 <= index < len(self._shown_ranks):
