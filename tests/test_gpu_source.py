@@ -116,3 +116,18 @@ def test_clock_event_words():
     assert decode_clock_events(0x1) == ["idle"]
     assert decode_clock_events(0x8 | 0x80 | 0x10000) == ["hw-slowdown", "power-brake", "0x10000"]
     assert is_slowdown(0x4) and not is_slowdown(0x1 | 0x2)
+
+
+def test_memory_info_falls_back_to_v1_on_an_old_driver():
+    class OldDriver(FakeNvml):
+        def nvmlDeviceGetMemoryInfo(self, h, version=None):  # noqa: N802 - pynvml's name
+            self._count("memory")
+            if version is not None:
+                raise NVMLError(13)  # function not found
+            return super().nvmlDeviceGetMemoryInfo(h)
+
+    fake = OldDriver([FakeGpu(memory_used=7 << 30)])
+    set_nvml_for_tests(fake)
+    src = NvmlSource(pcie_interval=0)
+    assert [src.sample()[0].memory_used for _ in range(3)] == [7 << 30] * 3
+    assert fake.calls["memory"] == 4  # one failed v2 call, then v1 only

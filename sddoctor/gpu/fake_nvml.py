@@ -52,6 +52,7 @@ class FakeNvml:
     NVML_VOLATILE_ECC = 0
     NVML_PCIE_UTIL_TX_BYTES = 0
     NVML_PCIE_UTIL_RX_BYTES = 1
+    nvmlMemory_v2 = 0x02000028
 
     def __init__(self, gpus: list[FakeGpu], driver: str = "570.00") -> None:
         self.gpus = gpus
@@ -96,7 +97,7 @@ class FakeNvml:
         g._reads += 1
         return SimpleNamespace(gpu=value, memory=g.mem_util)
 
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, h: int, version: int | None = None) -> Any:
         g = self._gpu(h)
         return SimpleNamespace(total=g.memory_total, used=g.memory_used, free=g.memory_total - g.memory_used)
 

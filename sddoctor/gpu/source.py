@@ -122,6 +122,7 @@ class _Device:
     def __init__(self, nv: Any, index: int, handle: Any) -> None:
         self.nv, self.index, self.handle = nv, index, handle
         self.unsupported: set[str] = set()
+        self._memory_v2 = hasattr(nv, "nvmlMemory_v2")
         self.name = self._static(lambda: as_str(nv.nvmlDeviceGetName(handle)), "?")
         self.uuid = self._static(lambda: as_str(nv.nvmlDeviceGetUUID(handle)), "?")
         self.pci_bus_id = self._static(lambda: as_str(nv.nvmlDeviceGetPciInfo(handle).busId), "?")
@@ -158,7 +159,7 @@ class _Device:
         util = self._read("utilization", lambda: nv.nvmlDeviceGetUtilizationRates(h), errors)
         if util is not None:
             s.utilization_gpu, s.utilization_mem = float(util.gpu), float(util.memory)
-        mem = self._read("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h), errors)
+        mem = self._read("memory", self._memory, errors)
         if mem is not None:
             s.memory_used, s.memory_total = int(mem.used), int(mem.total)
         temp = self._read(
@@ -188,6 +189,16 @@ class _Device:
             s.processes.append(ProcessSample(pid=int(p.pid), gpu_index=self.index, gpu_memory=used))
         s.errors = errors
         return s
+
+    def _memory(self) -> Any:
+        """Memory info v2 where the driver has it: its `used` leaves out memory the driver
+        reserves, as nvidia-smi does; v1 counts reserved memory as used."""
+        if self._memory_v2:
+            try:
+                return self.nv.nvmlDeviceGetMemoryInfo(self.handle, version=self.nv.nvmlMemory_v2)
+            except Exception:  # noqa: BLE001 - old driver or bindings: fall back to v1 for good
+                self._memory_v2 = False
+        return self.nv.nvmlDeviceGetMemoryInfo(self.handle)
 
     def _ecc(self, error_type: int) -> int:
         return int(self.nv.nvmlDeviceGetTotalEccErrors(self.handle, error_type, self.nv.NVML_VOLATILE_ECC))
