@@ -104,3 +104,30 @@ def test_startup_is_quick():
     )
     # 0.1 s of it is the deliberate CPU-percent window of --once; 2 shared cores are slow and noisy
     assert best < 1.5, best
+
+
+def test_benchmark_runs_and_prints_its_table(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sddoctor.tui.bench",
+            "--seconds",
+            "1",
+            "--fake-gpus",
+            "2",
+            "--skip-app",
+            "--json",
+            str(tmp_path / "bench.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "CPU % of a core, data layer at 1 Hz" in out.stdout and "fake (2 GPUs)" in out.stdout
+    figures = json.loads((tmp_path / "bench.json").read_text())
+    assert figures["gpus"] == 2 and figures["ours_1hz"]["samples"] >= 1
+    assert 0 < figures["ours_tight"]["sample_ms_median"] < 50
+    assert 0 < figures["ours_startup_to_first_frame_s"] < 10

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -75,7 +76,8 @@ fake = int(sys.argv[2])
 if fake:
     from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
     from sddoctor.gpu.nvml import set_nvml_for_tests
-    set_nvml_for_tests(FakeNvml(demo_gpus(fake)))
+    import os
+    set_nvml_for_tests(FakeNvml(demo_gpus(fake, [[(os.getpid(), 2 << 30)]] * fake)))
 async def main():
     app = MonitorApp(Collector(NvmlSource()), None, interval=1.0)
     async with app.run_test(size=(160, 50)) as pilot:
@@ -164,7 +166,8 @@ def run(seconds: float, fake_gpus: int, skip_app: bool) -> dict[str, Any]:
     if fake_gpus:
         from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
 
-        set_nvml_for_tests(FakeNvml(demo_gpus(fake_gpus)))
+        # one process per GPU (this one), so the psutil side of a sample is measured too
+        set_nvml_for_tests(FakeNvml(demo_gpus(fake_gpus, [[(os.getpid(), 2 << 30)]] * fake_gpus)))
         results["nvml"] = f"fake ({fake_gpus} GPUs): our overhead only"
     else:
         reason = unavailable_reason()
