@@ -12,8 +12,6 @@ import json
 import os
 import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +112,10 @@ class HttpFeed:
         self._rates: dict[int, RateTracker] = {}
 
     def poll(self) -> RankReport:
+        # imported here: urllib.request pulls in http.client and email (tens of ms at start-up)
+        import urllib.error
+        import urllib.request
+
         report = RankReport(sources=[self.label])
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
