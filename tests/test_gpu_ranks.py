@@ -4,10 +4,9 @@ against a local http.server serving a recorded /api/state payload."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from tui_fixtures import serve_state
 
 from conftest import free_port
 from sddoctor.gpu.matching import match_processes
@@ -258,29 +257,8 @@ PAYLOAD = {
 
 @pytest.fixture
 def endpoint():
-    body = json.dumps(PAYLOAD).encode()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            if self.path != "/api/state":
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with serve_state(PAYLOAD) as ep:
+        yield ep
 
 
 def test_http_feed_reads_ranks_and_verdicts(endpoint):

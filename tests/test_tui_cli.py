@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from tui_fixtures import serve_state
+
 from conftest import subprocess_env
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.tui import cli
@@ -131,3 +133,37 @@ def test_benchmark_runs_and_prints_its_table(tmp_path):
     assert figures["gpus"] == 2 and figures["ours_1hz"]["samples"] >= 1
     assert 0 < figures["ours_tight"]["sample_ms_median"] < 50
     assert 0 < figures["ours_startup_to_first_frame_s"] < 10
+
+
+def _node(rank: int, host: str) -> dict:
+    state = {
+        "rank": rank,
+        "pid": 100 + rank,
+        "host": host,
+        "local_rank": 0,
+        "world_size": 2,
+        "step": 10,
+        "last_step": {"step": 10, "loss": 0.5, "step_time": 0.5, "samples": 4, "t": 1.0},
+    }
+    return {
+        "v": 1,
+        "run": {},
+        "node": {"host": host, "node_rank": rank},
+        "ranks": {str(rank): state},
+        "verdicts": [],
+    }
+
+
+def test_json_connects_to_several_nodes(capsys):
+    set_nvml_for_tests(None, "no NVML in this test")
+    try:
+        with serve_state(_node(0, "node-a")) as a, serve_state(_node(1, "node-b")) as b:
+            assert cli.main(["--json", "--connect", a, "--connect", b]) == 0
+    finally:
+        set_nvml_for_tests(None, None)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run"] == {"sources": [a, b], "errors": []}
+    assert [(r["rank"], r["node"], r["host"], r["step"]) for r in doc["ranks"]] == [
+        (0, a, "node-a", 10),
+        (1, b, "node-b", 10),
+    ]

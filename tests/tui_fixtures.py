@@ -3,10 +3,14 @@ with fixed timestamps, a frozen clock) and a real run directory written by a 2-r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from conftest import free_port, subprocess_env
@@ -268,3 +272,33 @@ class GlooRun:
             for stream in (p.stdout, p.stderr):
                 if stream:
                     stream.close()
+
+
+@contextlib.contextmanager
+def serve_state(payload: dict) -> Iterator[str]:
+    """A local http.server answering GET /api/state with a recorded payload; yields HOST:PORT."""
+    body = json.dumps(payload).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path != "/api/state":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
