@@ -26,7 +26,8 @@ def demo_run(tmp_path):
 
 
 def _text(app, selector):
-    return str(app.query_one(selector).content)
+    widget = app.query_one(selector)
+    return widget.plain if hasattr(widget, "plain") else str(widget.content)
 
 
 def _column(table, index):
@@ -96,7 +97,9 @@ async def test_pause_stops_updates(demo_run):
     app = MonitorApp(demo_collector(warm=0), demo_feed(demo_run), interval=0.02, clock=frozen_clock)
     async with app.run_test(size=(160, 50)) as pilot:
         await _ready(app, pilot)
-        await pilot.pause(0.2)
+        deadline = time.monotonic() + 10
+        while app.gpu_updates < 3 and time.monotonic() < deadline:
+            await pilot.pause(0.05)
         assert app.gpu_updates >= 3
         await pilot.press("p")
         assert app.paused and "PAUSED" in _text(app, "#host")
@@ -105,7 +108,9 @@ async def test_pause_stops_updates(demo_run):
         await pilot.pause(0.3)
         assert app.gpu_updates == frozen
         await pilot.press("p")
-        await pilot.pause(0.3)
+        deadline = time.monotonic() + 10
+        while app.gpu_updates == frozen and time.monotonic() < deadline:
+            await pilot.pause(0.05)
         assert app.gpu_updates > frozen
 
 

@@ -27,6 +27,7 @@ from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSample, GpuSnapshot
 from sddoctor.tui.format import bar, gib, loss, mib, num, pct, rate, sparkline
 from sddoctor.tui.rowtable import RowTable
+from sddoctor.tui.textlines import TextLines
 
 PROCESS_COLUMNS = ["GPU", "PID", "Rank", "Match", "User", "GPU MiB", "CPU%", "RSS MiB", "Command", "Flags"]
 RANK_COLUMNS = [
@@ -207,12 +208,12 @@ class MonitorApp(App[None]):
     # -- layout ------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield Static("starting...", id="host")
+        yield TextLines(id="host")
         with Vertical(id="gpus"):
-            yield Static("reading GPUs...", id="gpu-lines")
+            yield TextLines(id="gpu-lines")
         yield RowTable(PROCESS_COLUMNS, id="procs")
         yield RowTable(RANK_COLUMNS, id="ranks")
-        yield Static("", id="alerts")
+        yield TextLines(id="alerts")
         yield Input(placeholder="filter rows (Enter keeps it, Esc clears)", id="filter")
         yield Footer()
 
@@ -297,26 +298,22 @@ class MonitorApp(App[None]):
             t.append(f"  filter: {self.filter_text!r}", style="magenta")
         if self.paused:
             t.append("  PAUSED", style="bold reverse")
-        self.query_one("#host", Static).update(t)
+        self.query_one("#host", TextLines).set_lines([t])
 
     def _render_gpus(self) -> None:
         ov = self.overview
         assert ov is not None
-        widget = self.query_one("#gpu-lines", Static)
+        widget = self.query_one("#gpu-lines", TextLines)
         if not ov.snapshot.nvml_available:
-            widget.update(
-                Text(
-                    f"No GPU data: {ov.snapshot.nvml_note}. Host and rank data below still update.",
-                    style="yellow",
-                )
-            )
+            note = f"No GPU data: {ov.snapshot.nvml_note}. Host and rank data below still update."
+            widget.set_lines([Text(note, style="yellow")])
             return
         text = Text()
         for i, g in enumerate(ov.snapshot.gpus):
             if i:
                 text.append("\n")
             self._gpu_lines(text, g)
-        widget.update(text)
+        widget.set_lines(list(text.split("\n")))
 
     def _gpu_lines(self, text: Text, g: GpuSample) -> None:
         hist = self.collector.history
@@ -383,7 +380,7 @@ class MonitorApp(App[None]):
         which = self.proc_sort
         rows.sort(key=lambda r: r[0][which], reverse=which in (0, 1))
         self._fill(table, [(k, c) for _, k, c in rows if self._matches_filter(c)])
-        table.border_title = f"processes (sort: {PROCESS_SORTS[which]})"
+        _set_title(table, f"processes (sort: {PROCESS_SORTS[which]})")
 
     def _render_ranks(self) -> None:
         ov = self.overview
@@ -425,7 +422,7 @@ class MonitorApp(App[None]):
         title = f"ranks (sort: {which})"
         if not ov.report.sources:
             title += ": no run found (use --run-dir or --connect)"
-        table.border_title = title
+        _set_title(table, title)
 
     def _fill(self, table: RowTable, rows: list[tuple[str, list[Any]]]) -> None:
         table.set_rows([(k, [c if isinstance(c, Text) else Text(c) for c in cells]) for k, cells in rows])
@@ -443,7 +440,7 @@ class MonitorApp(App[None]):
                 text.append(f"  at {a.location}", style="dim")
         if not ov.alerts:
             text.append("no alerts", style="dim")
-        self.query_one("#alerts", Static).update(text)
+        self.query_one("#alerts", TextLines).set_lines(list(text.split("\n")))
 
     # -- actions ---------------------------------------------------------------------------------
 
@@ -493,6 +490,11 @@ class MonitorApp(App[None]):
             rank = self._shown_ranks[index]
             run_dir = self.overview.report.run_dirs.get(rank.node)
             self.push_screen(RankScreen(rank, run_dir))
+
+
+def _set_title(widget: RowTable, title: str) -> None:
+    if widget.border_title != title:  # assigning, even the same text, repaints the widget
+        widget.border_title = title
 
 
 def _clip(text: str, width: int) -> str:
