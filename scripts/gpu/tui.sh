@@ -2,7 +2,7 @@
 # `sddoctor tui` on a CUDA machine (about 2 minutes): numbers against nvidia-smi, the cost
 # benchmark (next to nvitop when it is importable), and screenshots of the real app.
 # Results go under $OUT (default ./out-tui). Run from the repository root.
-# Optional: WHEELS=dir of wheels (textual, nvitop) to install offline first.
+# Optional: WHEELS=dir of wheels (textual, nvitop) to install offline first; BENCH_SECONDS (default 10).
 set -uo pipefail
 OUT=${OUT:-./out-tui}
 mkdir -p "$OUT"
@@ -19,7 +19,7 @@ rm -rf "$RUN"; mkdir -p "$RUN"
 $PY scripts/gpu/tui_workload.py "$RUN" 100 > "$OUT/workload.log" 2>&1 &
 WL=$!
 trap 'kill $WL 2>/dev/null; wait $WL 2>/dev/null' EXIT
-for _ in $(seq 60); do grep -q ready "$OUT/workload.log" && break; sleep 0.5; done
+for _ in $(seq 120); do grep -q ready "$OUT/workload.log" && break; kill -0 $WL 2>/dev/null || break; sleep 0.5; done
 sleep 3  # let utilization and a few steps build up
 echo "workload pid $WL"
 
@@ -37,7 +37,7 @@ $PY scripts/gpu/tui_compare.py "$OUT/tui.json" "$OUT/smi-gpu.csv" "$OUT/smi-apps
 
 # 2. cost benchmark (4 phases of 10 s at 1 Hz), workload still running
 echo "== benchmark"
-$PY -m sddoctor.tui.bench --seconds 10 --json "$OUT/bench.json" | tee "$OUT/bench.txt"
+$PY -m sddoctor.tui.bench --seconds "${BENCH_SECONDS:-10}" --json "$OUT/bench.json" | tee "$OUT/bench.txt"
 $PY -m sddoctor.tui.bench --seconds 5 --fake-gpus 8 --skip-app --json "$OUT/bench-fake8.json" | tee "$OUT/bench-fake8.txt"
 
 # 3. screenshots of the real app reading the workload's run
