@@ -327,9 +327,14 @@ class MonitorApp(App[None]):
         text.append(f"GPU {g.index} ", style="bold")
         text.append(f"{g.name[:22]:<22} ")
         text.append(f"util {pct(g.utilization_gpu):>4} ")
-        text.append(sparkline(hist.get(g.index, "util"), 24), style=util_style)
+        # history widths follow the terminal so the first line of a GPU fits on narrow ones
+        width = self.query_one("#gpu-lines", TextLines).size.width or 160
+        util_width = max(6, min(24, width - 62))
+        mem_width = 16 if width >= 62 + util_width + 17 else 0
+        text.append(sparkline(hist.get(g.index, "util"), util_width), style=util_style)
         text.append(f"  mem {gib(g.memory_used):>5}/{gib(g.memory_total)} GiB ")
-        text.append(sparkline(hist.get(g.index, "mem"), 16), style="magenta")
+        if mem_width:
+            text.append(sparkline(hist.get(g.index, "mem"), mem_width), style="magenta")
         text.append("\n      ")
         text.append(f"{num(g.temperature)}°C  {num(g.power_draw)}/{num(g.power_limit)} W  ")
         text.append(f"SM {num(g.clock_sm)} MEM {num(g.clock_mem)} MHz  P{num(g.pstate)}  ")
