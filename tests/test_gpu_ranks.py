@@ -138,6 +138,16 @@ def test_fields_and_rates():
     assert s.device == 0  # no device reported: its local rank
 
 
+def test_cuda_visible_devices_maps_the_rank_to_its_physical_gpu():
+    def dev(**extra):
+        s = derive(RankInputs(rank=0, node="n", state=_state(**extra)), RateTracker(), [], NOW)
+        return s.device, s.device_uuid
+
+    assert dev(device="cuda:1", cuda_visible_devices="4,5,6") == (5, None)
+    assert dev(local_rank=0, cuda_visible_devices="GPU-abc,GPU-def") == (0, "GPU-abc")
+    assert dev(device="cuda:3", cuda_visible_devices="4,5") == (3, None)  # out of range: left as reported
+
+
 def test_parse_device():
     assert [parse_device(v) for v in (3, "3", "cuda:3", "cpu", None, True)] == [3, 3, 3, None, None, None]
 

@@ -36,7 +36,9 @@ class RankStatus:
     pid: int | None = None
     local_rank: int | None = None
     world_size: int | None = None
-    device: int | None = None  # CUDA device index the rank reports (local_rank when it reports none)
+    device: int | None = (
+        None  # physical GPU index: the rank's CUDA index through CUDA_VISIBLE_DEVICES, else local_rank
+    )
     device_uuid: str | None = None
     step: int | None = None
     loss: float | None = None
@@ -123,6 +125,16 @@ def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]
     device = parse_device(_first(st.get("device"), start.get("device")))
     status.device = device if device is not None else status.local_rank
     status.device_uuid = _first(st.get("device_uuid"), start.get("device_uuid"))
+    visible = _first(st.get("cuda_visible_devices"), start.get("cuda_visible_devices"))
+    if status.device is not None and isinstance(visible, str) and visible.strip():
+        # CUDA index -> physical GPU: the rank's index counts within CUDA_VISIBLE_DEVICES
+        entries = [e.strip() for e in visible.split(",")]
+        if status.device < len(entries):
+            entry = entries[status.device]
+            if entry.isdigit():
+                status.device = int(entry)
+            elif entry.startswith("GPU-") and not status.device_uuid:
+                status.device_uuid = entry
     status.phase = st.get("phase")
     last = st.get("last_step") if isinstance(st.get("last_step"), dict) else {}
     status.step = _int(_first(st.get("step"), last.get("step")))
