@@ -1,0 +1,257 @@
+"""Where rank telemetry comes from: a run directory on this machine, or the HTTP state
+endpoint of one or more `sddoctor run` supervisors (`GET http://HOST:PORT/api/state`).
+
+A feed's `poll()` does I/O (file reads, HTTP with a short timeout): call it from a worker
+thread, never from a UI thread. Feeds keep what they learned between polls (event offsets,
+step history for rates), so each poll reads only what is new.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from sddoctor.gpu.ranks import RankInputs, RankStatus, RateTracker, derive
+from sddoctor.telemetry import EventTail, RunDir, read_json
+
+HTTP_TIMEOUT = 2.0
+
+
+@dataclass
+class RankReport:
+    """One poll of one or more feeds."""
+
+    sources: list[str] = field(default_factory=list)
+    ranks: list[RankStatus] = field(default_factory=list)
+    verdicts: list[dict[str, Any]] = field(default_factory=list)  # each with "source" added
+    errors: list[str] = field(default_factory=list)
+    run_dirs: dict[str, Path] = field(default_factory=dict)  # source -> run dir (for stack dumps)
+
+    def extend(self, other: RankReport) -> None:
+        self.sources += other.sources
+        self.ranks += other.ranks
+        self.verdicts += other.verdicts
+        self.errors += other.errors
+        self.run_dirs.update(other.run_dirs)
+
+
+class RankFeed(Protocol):
+    label: str
+
+    def poll(self) -> RankReport: ...
+
+
+def _local_pid_alive(pid: int) -> bool:
+    return psutil.pid_exists(pid)
+
+
+class RunDirFeed:
+    """Ranks of a run directory: state snapshots, the events that matter, report.json verdicts."""
+
+    def __init__(
+        self,
+        run_dir: RunDir | str | os.PathLike[str],
+        clock: Callable[[], float] = time.time,
+        hostname: str | None = None,
+        pid_alive: Callable[[int], bool] | None = _local_pid_alive,
+    ) -> None:
+        self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        self.label = self.run_dir.path.name
+        self.clock = clock
+        self.hostname = hostname or socket.gethostname()
+        self.pid_alive = pid_alive
+        self._tails: dict[int, EventTail] = {}
+        self._inputs: dict[int, RankInputs] = {}
+        self._rates: dict[int, RateTracker] = {}
+
+    def poll(self) -> RankReport:
+        report = RankReport(sources=[self.label], run_dirs={self.label: self.run_dir.path})
+        if not self.run_dir.path.is_dir():
+            report.errors.append(f"run directory {self.run_dir.path} does not exist (any more)")
+            return report
+        verdicts = _verdicts_of(read_json(self.run_dir.report_json))
+        report.verdicts = [dict(v, source=self.label) for v in verdicts]
+        now = self.clock()
+        for rank in self.run_dir.ranks():
+            tail = self._tails.setdefault(rank, EventTail(self.run_dir.events_file(rank)))
+            inputs = self._inputs.setdefault(rank, RankInputs(rank=rank, node=self.label))
+            rates = self._rates.setdefault(rank, RateTracker())
+            for ev in tail.poll():
+                kind = ev.get("kind")
+                if kind == "step":
+                    rates.add(ev.get("t"), ev.get("step"), ev.get("samples"))
+                elif kind in ("start", "exit", "exception", "fallback", "oom"):
+                    setattr(inputs, kind, ev)
+            inputs.state = read_json(self.run_dir.state_file(rank))
+            host = (inputs.state or {}).get("host") or (inputs.start or {}).get("host")
+            pid = (inputs.state or {}).get("pid") or (inputs.start or {}).get("pid")
+            inputs.pid_alive = None
+            if self.pid_alive is not None and host == self.hostname and isinstance(pid, int):
+                inputs.pid_alive = self.pid_alive(pid)
+            report.ranks.append(derive(inputs, rates, verdicts, now))
+        return report
+
+
+class HttpFeed:
+    """Ranks of one node through its `sddoctor run` endpoint (HOST:PORT)."""
+
+    def __init__(self, endpoint: str, clock: Callable[[], float] = time.time, timeout: float = HTTP_TIMEOUT):
+        self.endpoint = endpoint
+        self.label = endpoint
+        self.url = f"http://{endpoint}/api/state"
+        self.clock = clock
+        self.timeout = timeout
+        self._rates: dict[int, RateTracker] = {}
+
+    def poll(self) -> RankReport:
+        # imported here: urllib.request pulls in http.client and email (tens of ms at start-up)
+        import urllib.error
+        import urllib.request
+
+        report = RankReport(sources=[self.label])
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
+                payload = json.loads(resp.read().decode("utf-8"))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            report.errors.append(f"cannot read {self.url}: {reason}")
+            return report
+        if not isinstance(payload, dict):
+            report.errors.append(f"{self.url} did not return a JSON object")
+            return report
+        verdicts = _verdicts_of(payload)
+        report.verdicts = [dict(v, source=self.label) for v in verdicts]
+        run = payload.get("run") if isinstance(payload.get("run"), dict) else {}
+        run_path = run.get("run_dir") or run.get("path")
+        if isinstance(run_path, str) and Path(run_path).is_dir():
+            report.run_dirs[self.label] = Path(run_path)  # same machine: stack dumps are readable
+        now = self.clock()
+        ranks = payload.get("ranks") if isinstance(payload.get("ranks"), dict) else {}
+        for key, state in sorted(ranks.items(), key=lambda kv: _rank_key(kv[0])):
+            if not isinstance(state, dict):
+                continue
+            rank = _rank_key(key)
+            inputs = RankInputs(rank=rank, node=self.label, state=state)
+            if isinstance(state.get("exit"), dict):
+                inputs.exit = state["exit"]
+            for kind in ("exception", "fallback", "oom", "start"):
+                if isinstance(state.get(kind), dict):
+                    setattr(inputs, kind, state[kind])
+            rates = self._rates.setdefault(rank, RateTracker())
+            report.ranks.append(derive(inputs, rates, verdicts, now))
+        return report
+
+
+class MultiFeed:
+    """Several feeds (e.g. one HTTP endpoint per node) seen as one."""
+
+    def __init__(self, feeds: list[RankFeed]) -> None:
+        self.feeds = feeds
+        self.label = ", ".join(f.label for f in feeds)
+
+    def poll(self) -> RankReport:
+        report = RankReport()
+        for feed in self.feeds:
+            report.extend(feed.poll())
+        report.ranks.sort(key=lambda r: (r.rank, r.node))
+        return report
+
+
+def _rank_key(key: Any) -> int:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _verdicts_of(doc: Any) -> list[dict[str, Any]]:
+    if isinstance(doc, list):
+        return [v for v in doc if isinstance(v, dict)]
+    if isinstance(doc, dict):
+        found = doc.get("verdicts")
+        if found is None and isinstance(doc.get("diagnosis"), dict):
+            found = doc["diagnosis"].get("verdicts")
+        if isinstance(found, list):
+            return [v for v in found if isinstance(v, dict)]
+    return []
+
+
+def latest_stack_dump(run_dir: str | os.PathLike[str] | None, rank: int, limit: int = 20_000) -> str | None:
+    """The newest stack dump of `rank` under RUN_DIR/stacks/ as text, or None.
+
+    Accepts the file names and formats a supervisor may write: rank-00003*.txt|.json, and a
+    JSON document per dump holding all ranks ({"ranks": {"3": ...}}) or py-spy's --json output
+    (a list of threads with frames).
+    """
+    if run_dir is None:
+        return None
+    stacks = RunDir(run_dir).stacks_dir
+    if not stacks.is_dir():
+        return None
+    names = (
+        f"rank-{rank:05d}",
+        f"rank{rank}.",
+        f"rank-{rank}.",
+        f"rank_{rank}.",
+        f"rank{rank}-",
+        f"rank-{rank}-",
+    )
+    files = []
+    for p in stacks.rglob("*"):
+        if p.is_file():
+            try:
+                files.append((p.stat().st_mtime, p))
+            except OSError:
+                continue
+    for _, path in sorted(files, reverse=True):
+        mine = any(n in path.name for n in names)
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")[:limit]
+        except OSError:
+            continue
+        if path.suffix == ".json":
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                doc = None
+            if not mine and isinstance(doc, dict) and isinstance(doc.get("ranks"), dict):
+                doc = doc["ranks"].get(str(rank))
+                if doc is None:
+                    continue
+                mine = True
+            if mine and doc is not None:
+                return f"{path.name}\n" + _format_stack_json(doc)
+        if mine:
+            return f"{path.name}\n{text}"
+    return None
+
+
+def _format_stack_json(doc: Any) -> str:
+    if isinstance(doc, dict) and isinstance(doc.get("threads"), list):
+        doc = doc["threads"]
+    if isinstance(doc, dict) and isinstance(doc.get("text"), str):
+        return doc["text"]
+    if isinstance(doc, list):
+        lines = []
+        for thread in doc:
+            if not isinstance(thread, dict):
+                continue
+            lines.append(
+                f"Thread {thread.get('thread_name') or thread.get('thread_id', '?')}"
+                f"{' (active)' if thread.get('active') else ''}"
+            )
+            for frame in thread.get("frames") or []:
+                if isinstance(frame, dict):
+                    lines.append(
+                        f"    {frame.get('name', '?')} ({frame.get('filename', '?')}:{frame.get('line', '?')})"
+                    )
+        return "\n".join(lines)
+    return json.dumps(doc, indent=2)[:20_000]

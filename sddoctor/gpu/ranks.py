@@ -1,0 +1,246 @@
+"""What each DDP rank is doing, derived from its telemetry (pure functions, no I/O).
+
+Input is what a rank writes (its state snapshot, see the state contract in
+docs/telemetry.md, and a few of its events) and the verdicts of `sddoctor run`; output is a
+`RankStatus` with a one-word `state` and a sentence saying it:
+
+  training      steps are advancing
+  collective    inside collective #k for at least `COLLECTIVE_SHOWN_AFTER` seconds
+  hung          a hang verdict names this rank, or it sat in one collective for `HUNG_AFTER` s
+  silent        the rank stopped writing its snapshot/heartbeat (`SILENT_AFTER` s)
+  oom-fallback  recovered from an OOM by a smaller micro-batch in the last `FALLBACK_SHOWN_FOR` s
+  crashed       exited with an error or a signal, or its process is gone without an exit record
+  exited        exited normally
+  starting      no step finished yet
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+COLLECTIVE_SHOWN_AFTER = 1.0
+HUNG_AFTER = 120.0
+SILENT_AFTER = 30.0
+FALLBACK_SHOWN_FOR = 60.0
+RATE_WINDOW = 30.0
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    node: str  # where it was read from: the run dir name or HOST:PORT
+    host: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    device: int | None = (
+        None  # physical GPU index: the rank's CUDA index through CUDA_VISIBLE_DEVICES, else local_rank
+    )
+    device_uuid: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    it_s: float | None = None
+    images_s: float | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    mem_peak: int | None = None
+    phase: str | None = None
+    state: str = "starting"
+    state_text: str = "no step finished yet"
+    last_collective: str | None = None
+    call_site: str | None = None
+    heartbeat_age: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RankInputs:
+    """Everything known about one rank at one moment; feeds fill it, `derive` reads it."""
+
+    rank: int
+    node: str
+    state: dict[str, Any] | None = None
+    start: dict[str, Any] | None = None
+    exit: dict[str, Any] | None = None
+    exception: dict[str, Any] | None = None
+    fallback: dict[str, Any] | None = None
+    oom: dict[str, Any] | None = None
+    pid_alive: bool | None = None  # None: cannot tell (another host)
+
+
+class RateTracker:
+    """it/s and images/s of one rank from the steps it reported, over the last RATE_WINDOW s."""
+
+    def __init__(self) -> None:
+        self._points: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=512)
+
+    def add(self, t: float | None, step: int | None, samples: float | None) -> None:
+        if t is None or step is None:
+            return
+        if self._points and step <= self._points[-1][1]:
+            return  # the same step seen again (state polled twice) or a restart
+        self._points.append((float(t), int(step), float(samples or 0)))
+
+    def rates(
+        self, step_time: float | None = None, samples: float | None = None
+    ) -> tuple[float | None, float | None]:
+        pts = [p for p in self._points if p[0] >= self._points[-1][0] - RATE_WINDOW] if self._points else []
+        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+            dt = pts[-1][0] - pts[0][0]
+            steps = pts[-1][1] - pts[0][1]
+            imgs = sum(p[2] for p in pts[1:])
+            return steps / dt, (imgs / dt if imgs else None)
+        if step_time:
+            return 1.0 / step_time, (samples / step_time if samples else None)
+        return None, None
+
+
+def parse_device(value: Any) -> int | None:
+    """3, "3", "cuda:3" -> 3; "cpu", None -> None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"(?:cuda:)?(\d+)", value.strip())
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]], now: float) -> RankStatus:
+    st = inputs.state or {}
+    start = inputs.start or {}
+    status = RankStatus(rank=inputs.rank, node=inputs.node)
+    status.host = st.get("host") or start.get("host")
+    status.pid = _int(st.get("pid") if st.get("pid") is not None else start.get("pid"))
+    status.local_rank = _int(_first(st.get("local_rank"), start.get("local_rank")))
+    status.world_size = _int(_first(st.get("world_size"), start.get("world_size")))
+    device = parse_device(_first(st.get("device"), start.get("device")))
+    status.device = device if device is not None else status.local_rank
+    status.device_uuid = _first(st.get("device_uuid"), start.get("device_uuid"))
+    visible = _first(st.get("cuda_visible_devices"), start.get("cuda_visible_devices"))
+    if status.device is not None and isinstance(visible, str) and visible.strip():
+        # CUDA index -> physical GPU: the rank's index counts within CUDA_VISIBLE_DEVICES
+        entries = [e.strip() for e in visible.split(",")]
+        if status.device < len(entries):
+            entry = entries[status.device]
+            if entry.isdigit():
+                status.device = int(entry)
+            elif entry.startswith("GPU-") and not status.device_uuid:
+                status.device_uuid = entry
+    status.phase = st.get("phase")
+    last = st.get("last_step") if isinstance(st.get("last_step"), dict) else {}
+    status.step = _int(_first(st.get("step"), last.get("step")))
+    status.loss = _float(last.get("loss"))
+    status.micro_batch = _int(last.get("micro_batch"))
+    status.grad_accum = _int(last.get("grad_accum"))
+    status.mem_peak = _int(last.get("mem_peak"))
+    rates.add(_float(last.get("t")), status.step, _float(last.get("samples")))
+    status.it_s, status.images_s = rates.rates(_float(last.get("step_time")), _float(last.get("samples")))
+    hb = _float(_first(st.get("heartbeat"), st.get("t")))
+    status.heartbeat_age = None if hb is None else max(0.0, now - hb)
+
+    colls = st.get("collectives") if isinstance(st.get("collectives"), dict) else {}
+    inflight = [c for c in colls.get("inflight") or [] if isinstance(c, dict)]
+    oldest = min(inflight, key=lambda c: _since(c, now)) if inflight else None
+    done = colls.get("last_done") if isinstance(colls.get("last_done"), dict) else None
+    if done:
+        dur = _float(done.get("duration"))
+        status.last_collective = f"{done.get('op', '?')} #{done.get('seq', '?')}" + (
+            f" {_fmt_seconds(dur)}" if dur is not None else ""
+        )
+    status.call_site = (oldest or done or {}).get("caller")
+
+    mine = [v for v in verdicts if isinstance(v, dict) and v.get("culprit_rank") == inputs.rank]
+    exit_ev = inputs.exit
+    if exit_ev is None and st.get("status") == "exited":
+        exit_ev = {"status": st.get("exit_status", "ok")}
+    if exit_ev is not None:
+        if exit_ev.get("status") in (None, "ok") and _int(exit_ev.get("code")) in (None, 0):
+            status.state, status.state_text = "exited", "exited normally"
+        else:
+            status.state = "crashed"
+            status.state_text = _crash_text(exit_ev, inputs.exception)
+    elif any(str(v.get("kind", "")).startswith("crash") for v in mine):
+        v = next(v for v in mine if str(v.get("kind", "")).startswith("crash"))
+        status.state, status.state_text = "crashed", str(v.get("summary") or "crashed")
+    elif inputs.pid_alive is False:
+        status.state = "crashed"
+        status.state_text = f"process {status.pid} is gone without an exit record"
+    elif any(str(v.get("kind", "")).startswith("hang") for v in mine):
+        v = next(v for v in mine if str(v.get("kind", "")).startswith("hang"))
+        status.state, status.state_text = "hung", str(v.get("summary") or "hung")
+    elif oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
+        age = now - _since(oldest, now)
+        status.state = "hung" if age >= HUNG_AFTER else "collective"
+        status.state_text = f"in {oldest.get('op', 'collective')} #{oldest.get('seq', '?')} for {age:.0f} s"
+    elif status.heartbeat_age is not None and status.heartbeat_age >= SILENT_AFTER:
+        status.state = "silent"
+        status.state_text = f"no heartbeat for {status.heartbeat_age:.0f} s"
+    elif inputs.fallback is not None and now - (_float(inputs.fallback.get("t")) or 0) < FALLBACK_SHOWN_FOR:
+        status.state, status.state_text = "oom-fallback", _fallback_text(inputs.fallback)
+    elif status.step is not None:
+        status.state, status.state_text = "training", f"step {status.step}"
+        if status.phase:
+            status.state_text += f", {status.phase}"
+    if inputs.fallback is not None:
+        status.notes.append(_fallback_text(inputs.fallback))
+    if inputs.oom is not None:
+        oom = inputs.oom
+        status.notes.append(f"OOM at step {oom.get('step', '?')} in {oom.get('phase', '?')}")
+    for v in mine:
+        status.notes.append(f"{v.get('severity', 'info')}: {v.get('summary', v.get('kind'))}")
+    return status
+
+
+def _since(collective: dict[str, Any], now: float) -> float:
+    since = _float(collective.get("since"))
+    return now if since is None else since
+
+
+def _crash_text(exit_ev: dict[str, Any], exc: dict[str, Any] | None) -> str:
+    if exc is not None:
+        return f"crashed: {exc.get('type', 'exception')}: {str(exc.get('message', ''))[:80]}".rstrip(": ")
+    if exit_ev.get("status") == "signal":
+        return f"killed by signal {exit_ev.get('code', '?')}"
+    return f"exited with code {exit_ev.get('code', '?')}"
+
+
+def _fallback_text(ev: dict[str, Any]) -> str:
+    return (
+        f"OOM fallback at step {ev.get('step', '?')}: micro-batch "
+        f"{ev.get('old_micro_batch', '?')}->{ev.get('new_micro_batch', '?')}, "
+        f"accumulation {ev.get('old_grad_accum', '?')}->{ev.get('new_grad_accum', '?')}"
+    )
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.1f} s"
+
+
+def _first(*values: Any) -> Any:
+    for v in values:
+        if v is not None:
+            return v
+    return None
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return None if v is None or isinstance(v, bool) else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return None if v is None or isinstance(v, bool) else float(v)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,164 @@
+"""`sddoctor tui`: argument parsing, and the `--once` / `--json` paths that never start the UI.
+
+Textual is imported only when the live view starts, so `--once` and `--json` stay fast, and
+nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+DESCRIPTION = """\
+Live, rank-aware GPU monitor: local GPUs (NVML) and their processes, the host, and the ranks
+of a DDP run (step, loss, it/s, images/s, which collective each rank waits in, verdicts of
+`sddoctor run`). Without NVML or a GPU it still shows host and rank data.
+"""
+
+EPILOG = """\
+examples:
+  sddoctor tui                                  # local GPUs + newest run in ./sddoctor-runs or ./runs
+  sddoctor tui --run-dir sddoctor-runs/run-20261202-101500
+  sddoctor tui --connect node0:8765 --connect node1:8765   # several nodes in one view
+  sddoctor tui --once                           # one text snapshot, no UI
+  sddoctor tui --json | jq '.gpus[].utilization_gpu'
+
+keys: ? help, s sort, / filter, enter rank details and stack dump, p pause, q quit
+
+exit codes:
+  0  normal exit
+  2  bad arguments (unknown option, --run-dir that does not exist, bad HOST:PORT, interval <= 0)
+"""
+
+DEFAULT_RUN_BASES = ("./sddoctor-runs", "./runs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sddoctor tui",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--run-dir", metavar="DIR", help="run directory to read rank telemetry from")
+    p.add_argument(
+        "--connect",
+        metavar="HOST:PORT",
+        action="append",
+        default=[],
+        help="`sddoctor run` state endpoint to poll (repeat for several nodes)",
+    )
+    p.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS", help="GPU sampling period (default 1)"
+    )
+    p.add_argument(
+        "--pcie-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="PCIe throughput sampling period, in a background thread (0 turns it off; default 5)",
+    )
+    p.add_argument(
+        "--no-run", action="store_true", help="do not look for a run directory; GPUs and host only"
+    )
+    p.add_argument("--once", action="store_true", help="print one snapshot as text and exit (no UI)")
+    p.add_argument(
+        "--json", action="store_true", help="print one snapshot as JSON and exit (schema in docs/tui.md)"
+    )
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"sddoctor tui: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _check_endpoint(text: str) -> str | None:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return f"{host}:{int(port)}"
+
+
+def make_feed(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The rank feed the arguments ask for (None: no run). Raises ValueError with a user message."""
+    from sddoctor.gpu.rankfeeds import HttpFeed, MultiFeed, RunDirFeed
+    from sddoctor.telemetry import find_latest_run
+
+    feeds = []
+    if args.run_dir:
+        path = Path(args.run_dir)
+        if not path.is_dir():
+            raise ValueError(
+                f"--run-dir {args.run_dir}: no such directory; pass a run directory such as ./sddoctor-runs/run-..."
+            )
+        feeds.append(RunDirFeed(path))
+    for ep in args.connect:
+        checked = _check_endpoint(ep)
+        if checked is None:
+            raise ValueError(f"--connect {ep!r}: expected HOST:PORT, for example --connect 127.0.0.1:8765")
+        feeds.append(HttpFeed(checked))
+    if not feeds and not args.no_run:
+        latest = find_latest_run(*DEFAULT_RUN_BASES)
+        if latest is not None:
+            feeds.append(RunDirFeed(latest))
+    if not feeds:
+        return None
+    return feeds[0] if len(feeds) == 1 else MultiFeed(feeds)
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the problem
+        return int(exc.code or 0) if exc.code in (0, None) else EXIT_USAGE
+    if not args.interval > 0:
+        return _fail(f"--interval {args.interval}: must be a positive number of seconds, e.g. --interval 1")
+    if args.pcie_interval < 0:
+        return _fail("--pcie-interval must be 0 (off) or a positive number of seconds")
+    try:
+        feed = make_feed(args)
+    except ValueError as exc:
+        return _fail(str(exc))
+
+    from sddoctor.gpu.collector import Collector
+    from sddoctor.gpu.source import NvmlSource
+
+    if args.once or args.json:
+        return print_once(Collector(NvmlSource(pcie_interval=0)), feed, as_json=args.json)
+
+    from sddoctor.tui.app import MonitorApp
+
+    app = MonitorApp(Collector(NvmlSource(pcie_interval=args.pcie_interval)), feed, interval=args.interval)
+    app.run()
+    return EXIT_OK
+
+
+#: psutil's CPU percentages need two readings; --once waits this long after the first.
+ONCE_CPU_WINDOW = 0.1
+
+
+def print_once(collector, feed, as_json: bool) -> int:  # type: ignore[no-untyped-def]
+    from sddoctor.gpu.overview import Overview
+    from sddoctor.gpu.rankfeeds import RankReport
+
+    started = time.perf_counter()
+    collector.sample()  # primes CPU counters of the GPU processes
+    report = feed.poll() if feed is not None else RankReport()
+    time.sleep(max(0.0, ONCE_CPU_WINDOW - (time.perf_counter() - started)))
+    ov = Overview.build(collector.sample(), report)
+    collector.close()
+    if as_json:
+        print(json.dumps(ov.to_dict(), indent=2))
+    else:
+        from sddoctor.tui.text import render_text
+
+        print(render_text(ov))
+    return EXIT_OK

@@ -1,0 +1,57 @@
+"""Short human formats shared by the text snapshot (`--once`) and the app."""
+
+from __future__ import annotations
+
+SPARK_CHARS = " ▁▂▃▄▅▆▇█"
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
+
+
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}%"
+
+
+def num(v: float | int | None, fmt: str = "{:.0f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def rate(bps: float | None) -> str:
+    if bps is None:
+        return "-"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.1f} {unit}"
+    return f"{bps:.0f} B/s"
+
+
+def loss(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def sparkline(values: list[float], width: int, top: float = 100.0) -> str:
+    """The last `width` values as block characters scaled to [0, top]."""
+    values = values[-width:]
+    out = []
+    for v in values:
+        frac = 0.0 if top <= 0 else max(0.0, min(1.0, v / top))
+        out.append(SPARK_CHARS[round(frac * (len(SPARK_CHARS) - 1))])
+    return "".join(out).rjust(width)
+
+
+def bar(frac: float | None, width: int) -> str:
+    if frac is None:
+        return " " * width
+    filled = round(max(0.0, min(1.0, frac)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def rank_label(rank: int | None, local: int | None, world: int | None) -> str:
+    if rank is None:
+        return "-"
+    return f"{rank}/{world if world is not None else '?'} (l{local if local is not None else '?'})"
