@@ -141,6 +141,7 @@ class BandwidthResult:
     crashed: dict[int, str] = field(default_factory=dict)  # rank -> exit code and last log lines
     timed_out: bool = False
     timeout: float = 0.0
+    pids: list[int] = field(default_factory=list)  # this node's worker processes (all reaped)
     elapsed: float = 0.0
     error: str | None = None
 
@@ -221,6 +222,7 @@ def run_bandwidth_test(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killed as a whole, never orphaned
             )
+        result.pids = [p.pid for p in procs.values()]
         _wait(procs, start + timeout, result)
     finally:
         for proc in procs.values():

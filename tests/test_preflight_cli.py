@@ -1,0 +1,90 @@
+"""`sddoctor check-nccl` as a user runs it: exit codes, --json schema, usage errors, --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import subprocess_env
+
+
+def check_nccl(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sddoctor", "check-nccl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(**env),
+    )
+
+
+def test_help_does_not_import_torch_and_documents_exit_codes():
+    code = (
+        "import sys; from sddoctor.preflight.cli import main; rc = main(['--help']); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
+    assert out.returncode == 0, out.stderr
+    assert "exit codes:" in out.stdout and "64  usage error" in out.stdout and "--quick" in out.stdout
+
+
+def test_usage_errors_exit_64_without_traceback():
+    for args, words in (
+        (["--sizes", "12Q"], "--sizes"),
+        (["--nnodes", "2"], "--master-addr"),
+        (["--node-rank", "3"], "--node-rank"),
+        (["--bogus"], "unrecognized arguments"),
+        (["--timeout", "-1"], "--timeout"),
+    ):
+        out = check_nccl(*args)
+        assert out.returncode == 64, (args, out.stderr)
+        assert words in out.stderr and "Traceback" not in out.stderr
+
+
+def test_checks_only_exit_codes_follow_worst_severity():
+    ok = check_nccl("--no-bandwidth", "--all")
+    assert ok.returncode == 0, ok.stdout
+    assert "result: OK (exit 0)" in ok.stdout and "shm.size" in ok.stdout
+    warn = check_nccl("--no-bandwidth", NCCL_P2P_DISABLED="1")
+    assert warn.returncode == 1, warn.stdout
+    assert "nccl.env.misspelled" in warn.stdout and "NCCL_P2P_DISABLED" in warn.stdout
+    fail = check_nccl("--no-bandwidth", NCCL_SOCKET_IFNAME="nosuch0")
+    assert fail.returncode == 2, fail.stdout
+    assert "nccl.env.ifname_missing" in fail.stdout and "fix:" in fail.stdout
+
+
+def test_quick_json_runs_gloo_and_follows_schema():
+    out = check_nccl("--quick", "--json", NCCL_DEBUG="WARN")
+    assert out.returncode in (0, 1), out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["schema"] == "sddoctor.check-nccl/1"
+    assert doc["exit_code"] == out.returncode
+    assert {
+        "sddoctor_version",
+        "host",
+        "time",
+        "elapsed_s",
+        "worst",
+        "findings",
+        "bandwidth",
+        "system",
+    } <= set(doc)
+    for f in doc["findings"]:
+        assert set(f) == {"id", "severity", "title", "evidence", "remedy"}
+        assert f["severity"] in ("ok", "info", "warn", "fail")
+    order = ["fail", "warn", "info", "ok"]
+    ranks = [order.index(f["severity"]) for f in doc["findings"]]
+    assert ranks == sorted(ranks)
+    band = doc["bandwidth"]
+    assert band["backend"] == "gloo" and band["world_size"] == 2 and len(band["rows"]) == 1
+    row = band["rows"][0]
+    assert row["op"] == "all_reduce" and row["size"] == 1024**2 and row["correct"]
+    assert {"torch", "env", "interfaces", "master", "gpus"} <= set(doc["system"])
+    assert doc["system"]["env"] == {"NCCL_DEBUG": "WARN"}
+
+
+def test_hang_is_exit_2_within_timeout():
+    out = check_nccl("--quick", "--timeout", "6", SDDOCTOR_PREFLIGHT_FAULT="hang:0")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "bw.hang" in out.stdout and "never reached init_process_group: rank(s) 0" in out.stdout
