@@ -88,3 +88,21 @@ def test_hang_is_exit_2_within_timeout():
     out = check_nccl("--quick", "--timeout", "6", SDDOCTOR_PREFLIGHT_FAULT="hang:0")
     assert out.returncode == 2, out.stdout + out.stderr
     assert "bw.hang" in out.stdout and "never reached init_process_group: rank(s) 0" in out.stdout
+
+
+def test_every_finding_id_is_documented():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "".join(p.read_text() for p in (root / "sddoctor/preflight").glob("*.py"))
+    ids = set(
+        re.findall(
+            r'"((?:gpu|torch|cuda|topo|p2p|pcie|iommu|shm|limits|nccl\.env|net|master|bw|nodes)\.[a-z_]+)"',
+            code,
+        )
+    )
+    assert len(ids) > 40
+    doc = (root / "docs/check-nccl.md").read_text()
+    missing = sorted(i for i in ids if f"`{i}`" not in doc)
+    assert not missing, f"finding ids missing from docs/check-nccl.md: {missing}"

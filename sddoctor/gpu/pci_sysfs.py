@@ -75,7 +75,9 @@ def read_pci(root: str | os.PathLike[str] = "/", use_lspci: bool = True) -> PciS
     snap.iommu = _read_iommu(base)
     if not snap.available:
         return snap
-    lspci = shutil.which("lspci") if use_lspci else None
+    # lspci reads the same config file, so it only helps where sysfs hides it from root (some
+    # containers); as another user it cannot read ACS either and would only cost time.
+    lspci = shutil.which("lspci") if use_lspci and hasattr(os, "geteuid") and os.geteuid() == 0 else None
     for entry in sorted(devices_dir.iterdir()):
         if not _BDF.match(entry.name):
             continue

@@ -382,6 +382,8 @@ def measure(
         dist.all_gather_object(gathered, info)
         rows = []
         for op, sizes in plan.ops.items():
+            if world == 1 and op != "all_reduce":
+                continue  # one rank: all-gather and broadcast move nothing; the local copy says more
             for size in sizes:
                 if on_progress:
                     on_progress(f"{op} {format_size(size)}")

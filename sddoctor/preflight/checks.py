@@ -724,7 +724,7 @@ def check_network(s: SystemSnapshot) -> list[Finding]:
                 "cluster network, e.g. NCCL_SOCKET_IFNAME=eth0.",
             )
         )
-    else:
+    elif chosen or not s.env.get("NCCL_SOCKET_IFNAME"):  # else nccl.env.ifname_missing says it
         findings.append(
             Finding(
                 "net.interfaces",
