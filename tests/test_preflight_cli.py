@@ -106,3 +106,40 @@ def test_every_finding_id_is_documented():
     doc = (root / "docs/check-nccl.md").read_text()
     missing = sorted(i for i in ids if f"`{i}`" not in doc)
     assert not missing, f"finding ids missing from docs/check-nccl.md: {missing}"
+
+
+def test_ctrl_c_stops_every_test_process():
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sddoctor", "check-nccl", "--quick", "--timeout", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(SDDOCTOR_PREFLIGHT_FAULT="hang:1"),
+        # A shell's background jobs inherit SIGINT ignored, and Python then never raises
+        # KeyboardInterrupt: give the command the disposition a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        workers: list[psutil.Process] = []
+        while time.monotonic() < deadline and len(workers) < 2:
+            workers = [
+                c for c in parent.children() if "sddoctor.preflight.bandwidth" in " ".join(c.cmdline())
+            ]
+            time.sleep(0.2)
+        assert len(workers) == 2, "the test processes did not start"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"left behind: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()

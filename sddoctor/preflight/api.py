@@ -63,6 +63,7 @@ def run_check(
     report = PreflightReport(snapshot=snap)
     holder: dict[str, bw.BandwidthResult] = {}
     thread = None
+    stop = threading.Event()
     if collective:
         chosen, procs = choose_workers(snap, backend, nproc)
         plan = bw.default_plan(quick, chosen == "nccl", sizes)
@@ -86,14 +87,22 @@ def run_check(
                     node_rank=node_rank,
                     master_addr=master_addr or (snap.master.addr if nnodes > 1 else None),
                     master_port=master_port or (snap.master.port if nnodes > 1 else None),
+                    stop=stop,
                 )
 
             thread = threading.Thread(target=work, name="sddoctor-bandwidth", daemon=True)
             thread.start()
-    snap.torch = read_torch()  # while the workers start: both pay for importing torch
-    report.findings = run_checks(snap)
-    if thread is not None:
-        thread.join()
+    try:
+        snap.torch = read_torch()  # while the workers start: both pay for importing torch
+        report.findings = run_checks(snap)
+        if thread is not None:
+            while thread.is_alive():  # join in slices so Ctrl-C gets through
+                thread.join(0.2)
+    except BaseException:
+        stop.set()  # the runner kills and reaps its workers before the thread ends
+        if thread is not None:
+            thread.join()
+        raise
     if "result" in holder:
         report.bandwidth = holder["result"]
         report.findings.extend(bandwidth_findings(report.bandwidth, snap))

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -176,8 +177,10 @@ def run_bandwidth_test(
     master_addr: str | None = None,
     master_port: int | None = None,
     env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
 ) -> BandwidthResult:
-    """Start `nprocs` worker processes for this node, wait at most `timeout` s, reap every one."""
+    """Start `nprocs` worker processes for this node, wait at most `timeout` s, reap every one.
+    Setting `stop` (e.g. on Ctrl-C in the caller) ends the wait early; the workers are killed too."""
     world = nprocs * nnodes
     result = BandwidthResult(
         backend=backend,
@@ -223,7 +226,7 @@ def run_bandwidth_test(
                 start_new_session=True,  # its own process group: killed as a whole, never orphaned
             )
         result.pids = [p.pid for p in procs.values()]
-        _wait(procs, start + timeout, result)
+        _wait(procs, start + timeout, result, stop)
     finally:
         for proc in procs.values():
             _kill(proc)
@@ -235,9 +238,17 @@ def run_bandwidth_test(
     return result
 
 
-def _wait(procs: dict[int, subprocess.Popen[bytes]], deadline: float, result: BandwidthResult) -> None:
+def _wait(
+    procs: dict[int, subprocess.Popen[bytes]],
+    deadline: float,
+    result: BandwidthResult,
+    stop: threading.Event | None,
+) -> None:
     first_failure: float | None = None
     while True:
+        if stop is not None and stop.is_set():
+            result.error = "stopped before the test finished"
+            return
         codes = {r: p.poll() for r, p in procs.items()}
         if all(c is not None for c in codes.values()):
             return
@@ -325,10 +336,25 @@ def _apply_fault(rank: int) -> None:
         os._exit(3)
 
 
+def _exit_with_parent() -> None:
+    """The workers run in their own sessions (so they can be killed as a group); if the parent dies
+    without killing them (SIGKILL, a crash), they notice and leave instead of waiting in a collective."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="sddoctor-parent-watch", daemon=True).start()
+
+
 def worker_main(config_path: str) -> int:
     config = json.loads(Path(config_path).read_text())
     workdir = Path(config["dir"])
     rank = int(os.environ["RANK"])
+    _exit_with_parent()
     _apply_fault(rank)
 
     def mark(name: str, text: str = "") -> None:
@@ -521,8 +547,6 @@ def _local_copy_gbps(device: Any, size: int) -> float:
 
 def run_inline(plan: SweepPlan, backend: str, timeout: float) -> BandwidthResult:
     """Under torchrun this process is one rank: measure here, with a watchdog instead of a parent."""
-    import threading
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     result = BandwidthResult(
         backend=backend,
