@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,16 +43,23 @@ def test_usage_errors_exit_64_without_traceback():
         assert words in out.stderr and "Traceback" not in out.stderr
 
 
-def test_checks_only_exit_codes_follow_worst_severity():
-    ok = check_nccl("--no-bandwidth", "--all")
-    assert ok.returncode == 0, ok.stdout
-    assert "result: OK (exit 0)" in ok.stdout and "shm.size" in ok.stdout
-    warn = check_nccl("--no-bandwidth", NCCL_P2P_DISABLED="1")
-    assert warn.returncode == 1, warn.stdout
-    assert "nccl.env.misspelled" in warn.stdout and "NCCL_P2P_DISABLED" in warn.stdout
-    fail = check_nccl("--no-bandwidth", NCCL_SOCKET_IFNAME="nosuch0")
-    assert fail.returncode == 2, fail.stdout
-    assert "nccl.env.ifname_missing" in fail.stdout and "fix:" in fail.stdout
+def test_checks_only_exit_codes_follow_worst_severity(monkeypatch, capsys):
+    # In-process: the checks need no second process, and torch is imported only once.
+    from sddoctor.preflight.cli import main
+
+    for name in [k for k in os.environ if k.startswith("NCCL_")] + ["CUDA_VISIBLE_DEVICES", "MASTER_ADDR"]:
+        monkeypatch.delenv(name, raising=False)
+    assert main(["--no-bandwidth", "--all", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "result: OK (exit 0)" in out and "shm.size" in out
+    monkeypatch.setenv("NCCL_P2P_DISABLED", "1")
+    assert main(["--no-bandwidth", "--color", "never"]) == 1
+    out = capsys.readouterr().out
+    assert "nccl.env.misspelled" in out and "NCCL_P2P_DISABLED" in out and "result: WARNINGS (exit 1)" in out
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuch0")
+    assert main(["--no-bandwidth", "--color", "never"]) == 2
+    out = capsys.readouterr().out
+    assert "nccl.env.ifname_missing" in out and "fix:" in out and out.index("FAIL") < out.index("WARN")
 
 
 def test_quick_json_runs_gloo_and_follows_schema():
@@ -84,10 +92,23 @@ def test_quick_json_runs_gloo_and_follows_schema():
     assert doc["system"]["env"] == {"NCCL_DEBUG": "WARN"}
 
 
-def test_hang_is_exit_2_within_timeout():
-    out = check_nccl("--quick", "--timeout", "6", SDDOCTOR_PREFLIGHT_FAULT="hang:0")
+def test_rank_that_never_joins_is_a_failure_within_the_timeout_and_nothing_is_left():
+    import time
+
+    import psutil
+
+    started = time.monotonic()
+    out = check_nccl("--quick", "--json", "--timeout", "8", SDDOCTOR_PREFLIGHT_FAULT="hang:1")
+    assert time.monotonic() - started < 8 + 20  # the timeout plus starting Python and torch
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "bw.hang" in out.stdout and "never reached init_process_group: rank(s) 0" in out.stdout
+    doc = json.loads(out.stdout)
+    band = doc["bandwidth"]
+    assert band["timed_out"] and band["elapsed"] < 8 + 3
+    assert band["never_joined"] == [1] and band["waiting_in_init"] == [0] and band["rows"] == []
+    assert len(band["pids"]) == 2 and not any(psutil.pid_exists(p) for p in band["pids"])
+    hang = doc["findings"][0]
+    assert hang["id"] == "bw.hang" and hang["severity"] == "fail" and "rank(s) 1" in hang["title"]
+    assert "never reached init_process_group: rank(s) 1" in hang["evidence"]
 
 
 def test_every_finding_id_is_documented():

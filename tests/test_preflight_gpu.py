@@ -10,14 +10,19 @@ import pytest
 
 from conftest import subprocess_env
 
-torch = pytest.importorskip("torch")
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.cuda
 
 
-def test_nvml_topology_matches_torch():
+@pytest.fixture(autouse=True)
+def torch():
+    """Imported here, not at collection, so CPU-only runs do not pay for importing torch."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
+
+
+def test_nvml_topology_matches_torch(torch):
     from sddoctor.gpu.topology import read_topology
 
     topo = read_topology()
@@ -28,7 +33,7 @@ def test_nvml_topology_matches_torch():
     assert len(topo.pairs) == n * (n - 1) // 2
 
 
-def test_nccl_sweep_on_every_gpu():
+def test_nccl_sweep_on_every_gpu(torch):
     from sddoctor.preflight import bandwidth as bw
 
     n = torch.cuda.device_count()

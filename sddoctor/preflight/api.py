@@ -55,15 +55,17 @@ def run_check(
     master_port: int | None = None,
     backend: str | None = None,
     nproc: int | None = None,
+    stop: threading.Event | None = None,
 ) -> PreflightReport:
-    """Checks and (unless collective=False) the collective test, run side by side."""
+    """Checks and (unless collective=False) the collective test, run side by side.
+    Setting `stop` (a signal handler may) ends the collective test early; its processes are reaped."""
     snap = collect_snapshot(
         master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=node_rank, with_torch=False
     )
     report = PreflightReport(snapshot=snap)
     holder: dict[str, bw.BandwidthResult] = {}
     thread = None
-    stop = threading.Event()
+    stop = stop or threading.Event()
     if collective:
         chosen, procs = choose_workers(snap, backend, nproc)
         plan = bw.default_plan(quick, chosen == "nccl", sizes)

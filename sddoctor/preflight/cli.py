@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -19,6 +21,7 @@ from sddoctor.preflight.findings import (
 )
 
 EXIT_USAGE = 64  # EX_USAGE from sysexits.h: 2 already means "failures found"
+EXIT_INTERRUPTED = 130
 JSON_SCHEMA = "sddoctor.check-nccl/1"
 
 EPILOG = """\
@@ -37,7 +40,7 @@ exit codes:
   1   at least one warning
   2   at least one failure (including a hung or crashed collective test)
   64  usage error (bad option or value); nothing was checked
-  130 interrupted (Ctrl-C); every test process was stopped
+  130 interrupted (Ctrl-C or SIGTERM); every test process was stopped
 
 Findings, remedies and the --json schema: docs/check-nccl.md.
 """
@@ -102,7 +105,45 @@ def main(argv: list[str]) -> int:
     from sddoctor.preflight.api import run_check
 
     started = time.monotonic()
-    report = run_check(
+    stop = threading.Event()
+    restore = _stop_on_signals(stop)
+    try:
+        report = _run(args, sizes, timeout, stop, run_check)
+    finally:
+        restore()
+    if stop.is_set():
+        print("sddoctor check-nccl: interrupted; every test process was stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    code = exit_code(report.findings)
+    if args.json:
+        doc = to_json(report, code, time.monotonic() - started)
+        print(json.dumps(doc, indent=2, default=str))
+        return code
+    print(_render(report.findings, report.bandwidth, args, code, report.snapshot.host))
+    return code
+
+
+def _stop_on_signals(stop: threading.Event) -> Any:
+    """Ctrl-C or SIGTERM sets `stop` instead of raising wherever the main thread happens to be (a
+    KeyboardInterrupt inside a C extension's import can be lost); the test processes are then
+    killed and reaped by the runner. Returns a function that puts the old handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in old:
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _run(
+    args: argparse.Namespace, sizes: list[int] | None, timeout: float, stop: threading.Event, run_check: Any
+) -> Any:
+    return run_check(
         quick=args.quick,
         collective=not args.no_bandwidth,
         sizes=sizes,
@@ -113,14 +154,8 @@ def main(argv: list[str]) -> int:
         master_port=args.master_port,
         backend=args.backend,
         nproc=args.nproc_per_node,
+        stop=stop,
     )
-    code = exit_code(report.findings)
-    if args.json:
-        doc = to_json(report, code, time.monotonic() - started)
-        print(json.dumps(doc, indent=2, default=str))
-        return code
-    print(_render(report.findings, report.bandwidth, args, code, report.snapshot.host))
-    return code
 
 
 def _validate(args: argparse.Namespace) -> list[int] | None:
