@@ -87,29 +87,31 @@ def check_gpus(s: SystemSnapshot) -> list[Finding]:
                 "Train on one model only: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=<the same-model GPUs>.",
             )
         )
-    for g in topo.gpus:
-        if g.pcie_width and g.pcie_width_max and g.pcie_width < g.pcie_width_max:
-            findings.append(
-                Finding(
-                    "gpu.pcie_width_degraded",
-                    "warn",
-                    f"GPU{g.index} runs its PCIe link at x{g.pcie_width} of x{g.pcie_width_max}",
-                    [f"{g.bus_id}: current width x{g.pcie_width}, max x{g.pcie_width_max}"],
-                    "Reseat the card or riser, use a full x16 slot, check BIOS lane bifurcation; "
-                    "host-device and PCIe P2P bandwidth scale with the width.",
-                )
+    narrow = [g for g in topo.gpus if g.pcie_width and g.pcie_width_max and g.pcie_width < g.pcie_width_max]
+    if narrow:
+        findings.append(
+            Finding(
+                "gpu.pcie_width_degraded",
+                "warn",
+                f"{len(narrow)} GPU(s) run their PCIe link narrower than the slot allows",
+                [f"GPU{g.index} {g.bus_id}: x{g.pcie_width} of x{g.pcie_width_max}" for g in narrow],
+                "Reseat the card or riser, use a full x16 slot, check BIOS lane bifurcation; "
+                "host-device and PCIe P2P bandwidth scale with the width.",
             )
-        if g.pcie_gen and g.pcie_gen_max and g.pcie_gen < g.pcie_gen_max:
-            findings.append(
-                Finding(
-                    "gpu.pcie_gen_below_max",
-                    "info",
-                    f"GPU{g.index} PCIe link at gen{g.pcie_gen} of gen{g.pcie_gen_max} right now",
-                    [f"{g.bus_id}: idle GPUs lower the link speed to save power; under load it should rise"],
-                    "Only a concern if it stays low under load: `nvidia-smi -q -d PCIE` during training; "
-                    "check the BIOS PCIe speed setting and risers.",
-                )
+        )
+    slow = [g for g in topo.gpus if g.pcie_gen and g.pcie_gen_max and g.pcie_gen < g.pcie_gen_max]
+    if slow:
+        findings.append(
+            Finding(
+                "gpu.pcie_gen_below_max",
+                "info",
+                f"{len(slow)} GPU(s) run PCIe below their top generation right now (idle GPUs lower "
+                "the link speed to save power; under load it should rise)",
+                [f"GPU{g.index} {g.bus_id}: gen{g.pcie_gen} of gen{g.pcie_gen_max}" for g in slow],
+                "Only a concern if it stays low under load: `nvidia-smi -q -d PCIE` during training; "
+                "check the BIOS PCIe speed setting and risers.",
             )
+        )
     return findings
 
 
@@ -563,15 +565,17 @@ def nccl_socket_candidates(
             return bool(i.ipv4)
         return bool(i.ipv4 or [a for a in i.ipv6 if not a.lower().startswith("fe80")])
 
-    usable = [i for i in interfaces if has_addr(i)]
+    usable = [i for i in interfaces if has_addr(i) and i.up]  # NCCL skips interfaces not RUNNING
     spec = env.get("NCCL_SOCKET_IFNAME")
     if spec:
         return [i for i in usable if _ifname_matches(spec, i.name)], f"NCCL_SOCKET_IFNAME={spec}"
     for rule, pick in (
         ("ib* interfaces first", lambda i: i.name.startswith("ib")),
-        ("any interface but docker*/lo", lambda i: not i.name.startswith(("docker", "lo"))),
+        # NCCL < 2.28 did not exclude virbr* here; br-*, veth*, cni* are used either way.
+        ("any interface but docker*/lo/virbr*", lambda i: not i.name.startswith(("docker", "lo", "virbr"))),
         ("docker* as a last resort", lambda i: i.name.startswith("docker")),
-        ("lo as the very last resort", lambda i: i.name.startswith("lo")),
+        ("lo as a last resort", lambda i: i.name.startswith("lo")),
+        ("virbr* as the very last resort", lambda i: i.name.startswith("virbr")),
     ):
         chosen = [i for i in usable if pick(i)]
         if chosen:
