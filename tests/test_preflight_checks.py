@@ -261,6 +261,10 @@ def test_nccl_interface_choice_follows_nccl_rules():
     assert [i.name for i in pick([lo, docker, br, eth()], {"NCCL_SOCKET_IFNAME": "^br,docker,lo"})[0]] == [
         "eth0"
     ]
+    virbr = NetInterface("virbr0", ["192.168.122.1"], up=True)
+    down = NetInterface("eth1", ["10.0.0.9"], up=False)
+    assert pick([virbr, down, lo], {})[0][0].name == "lo"  # virbr* after lo; a down link never
+    assert pick([virbr], {})[0][0].name == "virbr0"
 
 
 def test_virtual_interface_warns_only_for_multi_node():
