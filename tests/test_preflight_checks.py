@@ -36,7 +36,8 @@ def test_healthy_nvswitch_box_has_no_warnings():
     assert not ids(findings, "warn") and not ids(findings, "fail"), format_findings(findings)
     assert exit_code(findings) == 0
     matrix = by_id(findings, "topo.matrix")
-    assert "NVSwitch" in matrix.evidence[0]
+    assert matrix.evidence[1].split() == ["GPU0", "X"] + ["NVSwitch"] * 7
+    assert "NVSwitch: expect ~360 GB/s" in matrix.evidence[9] and "[28 pair(s)]" in matrix.evidence[9]
     # 18 NVLink4 links x 25 GB/s x 0.8 efficiency
     assert "360 GB/s" in matrix.title
 
@@ -131,7 +132,10 @@ def test_torch_sees_fewer_gpus_than_nvml():
 def test_pcie_box_without_p2p_and_nvlink_down():
     found = checks.check_topology(snapshot(topology=pcie_box(4, p2p=False)))
     assert by_id(found, "topo.p2p_unsupported").severity == "info"
-    assert "PXB" in by_id(found, "topo.matrix").evidence[0]
+    matrix = by_id(found, "topo.matrix").evidence
+    assert (
+        matrix[1].split() == ["GPU0", "X", "PXB*", "PXB*", "PXB*"] and "* = no P2P between the pair" in matrix
+    )
     topo = nvswitch_box()
     topo.gpus[5].nvlinks = topo.gpus[5].nvlinks[:12]
     down = by_id(checks.check_topology(snapshot(topology=topo)), "topo.nvlink_down")

@@ -164,3 +164,34 @@ def test_ctrl_c_stops_every_test_process():
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def test_json_with_a_faked_nvswitch_box(monkeypatch, capsys):
+    # NVML faked at its edge: the whole path from readings to findings to JSON on an 8-GPU box.
+    from preflight_fixtures import FakeNvml
+
+    from sddoctor.gpu.nvml import set_nvml_for_tests
+    from sddoctor.preflight.cli import main
+
+    switch = "00000000:FF:00.0"
+    gpus = [
+        {"name": "NVIDIA H200", "bus": f"00000000:{0x18 + i:02X}:00.0", "links": [switch] * 18}
+        for i in range(8)
+    ]
+    set_nvml_for_tests(FakeNvml(gpus, ancestor=50))
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    try:
+        code = main(["--no-bandwidth", "--json"])
+    finally:
+        set_nvml_for_tests(None, None)
+    doc = json.loads(capsys.readouterr().out)
+    assert code == doc["exit_code"] == 2  # this torch is a CPU build on a GPU box: torch.cpu_build
+    found = {f["id"]: f for f in doc["findings"]}
+    assert found["torch.cpu_build"]["severity"] == "fail"
+    assert found["nccl.env.p2p_disabled"]["severity"] == "warn"  # NVLink box
+    assert "8 GPU(s): NVIDIA H200" in found["gpu.inventory"]["title"]
+    assert "360 GB/s" in found["topo.matrix"]["title"]
+    system = doc["system"]
+    assert len(system["gpus"]) == 8 and len(system["gpus"][0]["nvlinks"]) == 18
+    assert len(system["pairs"]) == 28 and {p["label"] for p in system["pairs"]} == {"NVSwitch"}
+    assert system["driver_version"] == "570.86.15" and system["cuda_driver_version"] == "12.8"

@@ -302,11 +302,20 @@ def check_topology(s: SystemSnapshot) -> list[Finding]:
     topo = s.topology
     if not topo.available or len(topo.gpus) < 2:
         return []
-    rows = []
+    n = len(topo.gpus)
+    cell = {(i, i): "X" for i in range(n)}
+    groups: dict[str, list[str]] = {}
     for p in topo.pairs:
         gbps, why = expected_pair_gbps(topo, p)
-        p2p = "P2P ok" if p.p2p_ok else f"P2P {p.p2p_read}"
-        rows.append(f"GPU{p.a}-GPU{p.b}: {p.label:<8} {p2p:<26} expect ~{gbps or 0:.0f} GB/s ({why})")
+        mark = p.label + ("" if p.p2p_ok or p.kind == "nvlink" else "*")
+        cell[(p.a, p.b)] = cell[(p.b, p.a)] = mark
+        groups.setdefault(f"{mark}: expect ~{gbps or 0:.0f} GB/s ({why})", []).append(f"{p.a}-{p.b}")
+    width = max(5, *(len(c) + 1 for c in cell.values()))
+    rows = ["GPU".ljust(6) + "".join(f"GPU{j}".rjust(width) for j in range(n))]
+    rows += [f"GPU{i}".ljust(6) + "".join(cell[(i, j)].rjust(width) for j in range(n)) for i in range(n)]
+    rows += [f"{text} [{len(pairs)} pair(s)]" for text, pairs in groups.items()]
+    if any(c.endswith("*") for c in cell.values()):
+        rows.append("* = no P2P between the pair")
     busbw, why = expected_busbw_gbps(topo)
     findings = [
         Finding(
