@@ -33,7 +33,7 @@ examples:
   sddoctor check-nccl --json > preflight.json
   # two nodes, 8 GPUs each (run on each node; node 0's address):
   sddoctor check-nccl --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
-  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 \
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 \\
       -m sddoctor check-nccl
 
 exit codes:
