@@ -62,36 +62,6 @@ def test_checks_only_exit_codes_follow_worst_severity(monkeypatch, capsys):
     assert "nccl.env.ifname_missing" in out and "fix:" in out and out.index("FAIL") < out.index("WARN")
 
 
-def test_quick_json_runs_gloo_and_follows_schema():
-    out = check_nccl("--quick", "--json", NCCL_DEBUG="WARN")
-    assert out.returncode in (0, 1), out.stdout + out.stderr
-    doc = json.loads(out.stdout)
-    assert doc["schema"] == "sddoctor.check-nccl/1"
-    assert doc["exit_code"] == out.returncode
-    assert {
-        "sddoctor_version",
-        "host",
-        "time",
-        "elapsed_s",
-        "worst",
-        "findings",
-        "bandwidth",
-        "system",
-    } <= set(doc)
-    for f in doc["findings"]:
-        assert set(f) == {"id", "severity", "title", "evidence", "remedy"}
-        assert f["severity"] in ("ok", "info", "warn", "fail")
-    order = ["fail", "warn", "info", "ok"]
-    ranks = [order.index(f["severity"]) for f in doc["findings"]]
-    assert ranks == sorted(ranks)
-    band = doc["bandwidth"]
-    assert band["backend"] == "gloo" and band["world_size"] == 2 and len(band["rows"]) == 1
-    row = band["rows"][0]
-    assert row["op"] == "all_reduce" and row["size"] == 1024**2 and row["correct"]
-    assert {"torch", "env", "interfaces", "master", "gpus"} <= set(doc["system"])
-    assert doc["system"]["env"] == {"NCCL_DEBUG": "WARN"}
-
-
 def test_rank_that_never_joins_is_a_failure_within_the_timeout_and_nothing_is_left():
     import time
 
@@ -195,3 +165,86 @@ def test_json_with_a_faked_nvswitch_box(monkeypatch, capsys):
     assert len(system["gpus"]) == 8 and len(system["gpus"][0]["nvlinks"]) == 18
     assert len(system["pairs"]) == 28 and {p["label"] for p in system["pairs"]} == {"NVSwitch"}
     assert system["driver_version"] == "570.86.15" and system["cuda_driver_version"] == "12.8"
+
+
+def test_two_nodes_on_one_machine_join_one_process_group():
+    from conftest import free_port
+
+    port = str(free_port())
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--nproc-per-node", "1"]
+    common += ["--sizes", "4K", "--json", "--timeout", "60"]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "sddoctor", "check-nccl", *common, "--node-rank", str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in nodes]
+    docs = [json.loads(out) for out, _ in outs]
+    for doc, proc in zip(docs, nodes, strict=True):
+        assert proc.returncode == doc["exit_code"] in (0, 1), doc["findings"]
+        band = doc["bandwidth"]
+        assert band["world_size"] == 2 and band["local_ranks"] == 1 and band["rows"]
+        assert sorted(i["rank"] for i in band["ranks_info"]) == [0, 1]
+        ids = {f["id"] for f in doc["findings"]}
+        assert "nodes.versions" in ids and "master.unreachable" not in ids
+    assert [r["busbw"] for r in docs[0]["bandwidth"]["rows"]] == [
+        r["busbw"] for r in docs[1]["bandwidth"]["rows"]
+    ]
+    assert_schema(docs[0])
+
+
+def assert_schema(doc: dict) -> None:
+    assert doc["schema"] == "sddoctor.check-nccl/1"
+    assert {
+        "sddoctor_version",
+        "host",
+        "time",
+        "elapsed_s",
+        "worst",
+        "findings",
+        "bandwidth",
+        "system",
+    } <= set(doc)
+    for f in doc["findings"]:
+        assert set(f) == {"id", "severity", "title", "evidence", "remedy"}
+        assert f["severity"] in ("ok", "info", "warn", "fail")
+    order = ["fail", "warn", "info", "ok"]
+    ranks = [order.index(f["severity"]) for f in doc["findings"]]
+    assert ranks == sorted(ranks)
+    assert doc["worst"] == order[ranks[0]]
+    band = doc["bandwidth"]
+    assert band["backend"] == "gloo" and band["device"] == "cpu"
+    assert [r["op"] for r in band["rows"]] == ["all_reduce", "all_gather", "broadcast"]
+    for row in band["rows"]:
+        assert set(row) == {
+            "op",
+            "size",
+            "count",
+            "iters",
+            "time_us",
+            "algbw",
+            "busbw",
+            "correct",
+            "wrong_ranks",
+        }
+        assert row["size"] == 4096 and row["correct"]
+    for key in (
+        "never_joined",
+        "waiting_in_init",
+        "hung",
+        "crashed",
+        "timed_out",
+        "pids",
+        "error",
+        "ranks_info",
+    ):
+        assert key in band
+    assert {"torch", "env", "interfaces", "master", "gpus", "pairs", "iommu", "shm_bytes"} <= set(
+        doc["system"]
+    )
+    assert doc["system"]["master"]["addr"] == "127.0.0.1"

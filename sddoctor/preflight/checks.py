@@ -747,7 +747,8 @@ def check_network(s: SystemSnapshot) -> list[Finding]:
                 "Pin it with NCCL_SOCKET_IFNAME=<name> if that is the wrong network.",
             )
         )
-    if s.master.route_ip and first is not None and multi:
+    loopback_master = bool(s.master.route_ip and s.master.route_ip.startswith(("127.", "::1")))
+    if s.master.route_ip and first is not None and multi and not loopback_master:
         owner = next((i for i in s.interfaces if s.master.route_ip in i.ipv4 + i.ipv6), None)
         if owner is not None and owner.name != first.name and not s.env.get("NCCL_SOCKET_IFNAME"):
             findings.append(

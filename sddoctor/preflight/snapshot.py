@@ -157,7 +157,7 @@ def collect_snapshot(
     addr = master_addr or env.get("MASTER_ADDR")
     port_text = str(master_port) if master_port is not None else env.get("MASTER_PORT")
     port = int(port_text) if port_text and port_text.isdigit() else None
-    snap.master = read_master(addr, port, snap.under_launcher, connect_timeout)
+    snap.master = read_master(addr, port, snap.under_launcher, connect_timeout, node_rank)
     return snap
 
 
@@ -248,8 +248,12 @@ def read_interfaces(root: str = "/", rdma: list[RdmaDevice] | None = None) -> li
     return out
 
 
-def read_master(addr: str | None, port: int | None, under_launcher: bool, timeout: float = 2.0) -> MasterInfo:
-    """Resolve MASTER_ADDR, find whether it is this host, and test only MASTER_ADDR:MASTER_PORT."""
+def read_master(
+    addr: str | None, port: int | None, under_launcher: bool, timeout: float = 2.0, node_rank: int = 0
+) -> MasterInfo:
+    """Resolve MASTER_ADDR, find whether it is this host, and test only MASTER_ADDR:MASTER_PORT:
+    node 0 outside a launcher will host the store there (is the port free?); everyone else
+    connects to it (is it reachable?)."""
     info = MasterInfo(addr=addr, port=port)
     if not addr:
         return info
@@ -264,7 +268,7 @@ def read_master(addr: str | None, port: int | None, under_launcher: bool, timeou
     info.route_ip = _route_ip(info.resolved[0])
     if port is None:
         return info
-    if info.is_local and not under_launcher:
+    if info.is_local and not under_launcher and node_rank == 0:
         info.port_free, info.port_error = _port_free(info.resolved[0], port)
     else:
         info.reachable, info.reach_error = _tcp_connect(info.resolved[0], port, timeout)
