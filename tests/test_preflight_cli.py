@@ -248,3 +248,18 @@ def assert_schema(doc: dict) -> None:
         doc["system"]
     )
     assert doc["system"]["master"]["addr"] == "127.0.0.1"
+
+
+def test_python_entry_for_run_and_the_trainer(monkeypatch):
+    import psutil
+
+    from sddoctor.preflight import Finding, format_findings, run_preflight
+
+    monkeypatch.setenv("NCCL_IB_DISABEL", "1")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    findings = run_preflight(quick=True)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before  # checks only
+    assert all(isinstance(f, Finding) for f in findings)
+    assert "bw.result" not in {f.id for f in findings}
+    text = format_findings(findings, min_severity="warn")
+    assert "nccl.env.misspelled" in text and "NCCL_IB_DISABLE" in text and "shm.size" not in text

@@ -138,16 +138,27 @@ def run_preflight(
     start, where spawning one test process per GPU would compete with the job itself.
     `sddoctor run --preflight` runs before the job starts and passes collective=True.
     """
-    report = run_check(
-        quick=quick,
-        collective=collective,
-        sizes=sizes,
-        timeout=timeout,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-    )
+    try:
+        report = run_check(
+            quick=quick,
+            collective=collective,
+            sizes=sizes,
+            timeout=timeout,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+    except Exception as exc:  # a preflight must never be the thing that stops a training job
+        return [
+            Finding(
+                "internal.preflight",
+                "warn",
+                f"the preflight itself failed: {type(exc).__name__}: {exc}",
+                [],
+                "Please report this with `sddoctor check-nccl --json` output.",
+            )
+        ]
     return report.findings
 
 
