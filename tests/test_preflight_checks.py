@@ -57,6 +57,13 @@ def test_nvml_unavailable_is_info_without_gpus_and_warn_when_torch_sees_cuda():
     assert by_id(checks.check_gpus(odd), "gpu.nvml_unavailable").severity == "warn"
 
 
+def test_gpus_on_the_bus_without_a_driver():
+    pci = PciSnapshot(available=True, gpus=["0000:17:00.0", "0000:2a:00.0"])
+    snap = snapshot(topology=Topology(available=False, error="Driver Not Loaded"), pci=pci, torch=torch_ok(0))
+    (f,) = checks.check_gpus(snap)
+    assert f.id == "gpu.driver_not_loaded" and f.severity == "fail" and "0000:17:00.0" in f.evidence[0]
+
+
 def test_mixed_models_and_degraded_pcie_width():
     topo = pcie_box(2)
     topo.gpus[1].name = "NVIDIA RTX A6000"

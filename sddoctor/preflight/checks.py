@@ -42,6 +42,17 @@ def _gpu_count(s: SystemSnapshot) -> int:
 
 def check_gpus(s: SystemSnapshot) -> list[Finding]:
     topo = s.topology
+    if not topo.available and s.pci.gpus:
+        return [
+            Finding(
+                "gpu.driver_not_loaded",
+                "fail",
+                f"{len(s.pci.gpus)} NVIDIA GPU(s) sit on the PCIe bus but NVML cannot use them",
+                [f"PCI {', '.join(s.pci.gpus[:8])}", topo.error or "unknown reason"],
+                "Load the NVIDIA driver (`nvidia-smi` must work; check `dmesg | grep -i nvrm` for Xid or "
+                "version-mismatch errors); in a container start it with --gpus all.",
+            )
+        ]
     if not topo.available:
         sev = "warn" if s.torch.cuda_available else "info"
         return [
