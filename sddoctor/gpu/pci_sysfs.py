@@ -98,6 +98,10 @@ def read_pci(root: str | os.PathLike[str] = "/", use_lspci: bool = True) -> PciS
             snap.iommu.mode = "passthrough"
         elif types:
             snap.iommu.mode = "translated"
+        elif any(
+            f in ("intel_iommu=on", "amd_iommu=on", "amd_iommu=force") for f in snap.iommu.cmdline_flags
+        ):
+            snap.iommu.mode = "translated"  # kernels before 5.11 have no group type file
     return snap
 
 
