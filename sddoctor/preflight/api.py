@@ -1,0 +1,295 @@
+"""The preflight as a Python call: `run_preflight()` for `sddoctor run --preflight` and the trainer,
+`run_check()` for the CLI (findings plus the bandwidth result and the snapshot).
+
+Nothing here imports torch at module import; the snapshot reader and the collective test do, lazily.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from sddoctor.gpu.topology import expected_busbw_gbps
+from sddoctor.preflight import bandwidth as bw
+from sddoctor.preflight.checks import run_checks
+from sddoctor.preflight.findings import Finding, format_findings
+from sddoctor.preflight.snapshot import SystemSnapshot, collect_snapshot, read_torch
+
+__all__ = ["run_preflight", "run_check", "format_findings", "PreflightReport", "bandwidth_findings"]
+
+
+@dataclass
+class PreflightReport:
+    snapshot: SystemSnapshot
+    findings: list[Finding] = field(default_factory=list)
+    bandwidth: bw.BandwidthResult | None = None
+
+
+def under_torchrun(environ: dict[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def choose_workers(snap: SystemSnapshot, backend: str | None, nproc: int | None) -> tuple[str, int]:
+    """nccl with one process per visible GPU; gloo with 2 processes when there is no GPU."""
+    gpus = len(snap.topology.gpus) if snap.topology.available else 0
+    cvd = snap.env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        gpus = min(gpus, len([e for e in cvd.split(",") if e.strip()]))
+    chosen = backend or ("nccl" if gpus else "gloo")
+    if nproc:
+        return chosen, nproc
+    return chosen, (max(gpus, 1) if chosen == "nccl" else 2)
+
+
+def run_check(
+    *,
+    quick: bool = False,
+    collective: bool = True,
+    sizes: list[int] | None = None,
+    timeout: float = 60.0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str | None = None,
+    nproc: int | None = None,
+    stop: threading.Event | None = None,
+) -> PreflightReport:
+    """Checks and (unless collective=False) the collective test, run side by side.
+    Setting `stop` (a signal handler may) ends the collective test early; its processes are reaped."""
+    snap = collect_snapshot(
+        master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=node_rank, with_torch=False
+    )
+    report = PreflightReport(snapshot=snap)
+    holder: dict[str, bw.BandwidthResult] = {}
+    thread = None
+    stop = stop or threading.Event()
+    if collective:
+        chosen, procs = choose_workers(snap, backend, nproc)
+        plan = bw.default_plan(quick, chosen == "nccl", sizes)
+        if nnodes > 1 and not master_addr and not snap.master.addr:
+            holder["result"] = bw.BandwidthResult(
+                backend=chosen,
+                world_size=procs * nnodes,
+                local_ranks=procs,
+                device="?",
+                error="several nodes need --master-addr and --master-port",
+            )
+        else:
+
+            def work() -> None:
+                holder["result"] = bw.run_bandwidth_test(
+                    procs,
+                    plan,
+                    backend=chosen,
+                    timeout=timeout,
+                    nnodes=nnodes,
+                    node_rank=node_rank,
+                    master_addr=master_addr or (snap.master.addr if nnodes > 1 else None),
+                    master_port=master_port or (snap.master.port if nnodes > 1 else None),
+                    stop=stop,
+                )
+
+            thread = threading.Thread(target=work, name="sddoctor-bandwidth", daemon=True)
+            thread.start()
+    try:
+        snap.torch = read_torch()  # while the workers start: both pay for importing torch
+        report.findings = run_checks(snap)
+        if thread is not None:
+            while thread.is_alive():  # join in slices so Ctrl-C gets through
+                thread.join(0.2)
+    except BaseException:
+        stop.set()  # the runner kills and reaps its workers before the thread ends
+        if thread is not None:
+            thread.join()
+        raise
+    if "result" in holder:
+        report.bandwidth = holder["result"]
+        report.findings.extend(bandwidth_findings(report.bandwidth, snap))
+        if report.bandwidth.ok and report.bandwidth.rows:
+            # Node 0 may not have listened yet when this node looked; the test has since joined it.
+            for i, f in enumerate(report.findings):
+                if f.id == "master.unreachable":
+                    report.findings[i] = Finding(
+                        "master.ok",
+                        "ok",
+                        f"MASTER_ADDR {snap.master.addr}:{snap.master.port} was reached by the collective test",
+                        [*f.evidence, f"first attempt: {snap.master.reach_error}"],
+                    )
+    return report
+
+
+def run_preflight(
+    quick: bool = True,
+    *,
+    collective: bool = False,
+    sizes: list[int] | None = None,
+    timeout: float = 30.0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> list[Finding]:
+    """The preflight findings (worst first is up to `format_findings`).
+
+    collective=False (the default) runs the checks only: this is what a training rank calls at
+    start, where spawning one test process per GPU would compete with the job itself.
+    `sddoctor run --preflight` runs before the job starts and passes collective=True.
+    """
+    try:
+        report = run_check(
+            quick=quick,
+            collective=collective,
+            sizes=sizes,
+            timeout=timeout,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+    except Exception as exc:  # a preflight must never be the thing that stops a training job
+        return [
+            Finding(
+                "internal.preflight",
+                "warn",
+                f"the preflight itself failed: {type(exc).__name__}: {exc}",
+                [],
+                "Please report this with `sddoctor check-nccl --json` output.",
+            )
+        ]
+    return report.findings
+
+
+def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list[Finding]:
+    findings: list[Finding] = []
+    n = result.world_size
+    if result.error and not result.rows:
+        findings.append(
+            Finding("bw.error", "fail", f"the collective test could not run: {result.error}", [], _BW_REMEDY)
+        )
+    if result.crashed:
+        findings.append(
+            Finding(
+                "bw.crash",
+                "fail",
+                f"rank(s) {', '.join(map(str, sorted(result.crashed)))} of the collective test died",
+                [f"rank {r}: {msg}" for r, msg in sorted(result.crashed.items())],
+                "Read the rank's last lines above. 'unhandled system error' or a bus error: see shm.size; "
+                "'no socket interface': see nccl.env.ifname_missing; rerun with NCCL_DEBUG=INFO for details.",
+            )
+        )
+    if result.never_joined or result.waiting_in_init or result.hung:
+        ev = []
+        if result.never_joined:
+            ev.append(f"never reached init_process_group: rank(s) {', '.join(map(str, result.never_joined))}")
+        if result.waiting_in_init:
+            ev.append(
+                "waited in init_process_group for the others: rank(s) "
+                + ", ".join(map(str, result.waiting_in_init))
+            )
+        ev += [f"rank {r} joined, stuck in {where}" for r, where in sorted(result.hung.items())]
+        culprit = result.never_joined or (result.waiting_in_init if not result.hung else sorted(result.hung))
+        findings.append(
+            Finding(
+                "bw.hang",
+                "fail",
+                f"the collective test did not finish within {result.timeout:g} s; "
+                f"look first at rank(s) {', '.join(map(str, culprit))}",
+                ev,
+                "Ranks that never joined: a process that did not start or is stuck before "
+                "init_process_group (or, across nodes, a node that is not running / cannot reach "
+                "MASTER_ADDR). Ranks stuck inside a collective: P2P/ACS/IOMMU (see pcie.acs_enabled, "
+                "iommu.translated; try NCCL_P2P_DISABLE=1) or a network that drops traffic "
+                "(NCCL_SOCKET_IFNAME). All processes were stopped.",
+            )
+        )
+    wrong = [r for r in result.rows if not r.correct]
+    if wrong:
+        findings.append(
+            Finding(
+                "bw.wrong_result",
+                "fail",
+                "collectives returned wrong data: training would silently diverge",
+                [f"{r.op} {bw.format_size(r.size)}: wrong on rank(s) {r.wrong_ranks}" for r in wrong],
+                "Usually broken PCIe P2P (GeForce cards, ACS, IOMMU): set NCCL_P2P_DISABLE=1 and rerun; "
+                "update the driver; check for Xid errors in dmesg.",
+            )
+        )
+    hosts = {}
+    for info in result.ranks_info:
+        if isinstance(info, dict):
+            key = (info.get("torch"), info.get("nccl"), info.get("cuda"))
+            hosts.setdefault(key, set()).add(str(info.get("host")))
+    if len(hosts) > 1:
+        findings.append(
+            Finding(
+                "nodes.version_mismatch",
+                "fail",
+                "ranks run different torch / NCCL / CUDA versions: NCCL may hang or fail across them",
+                [f"torch {k[0]}, NCCL {k[1]}, CUDA {k[2]}: {', '.join(sorted(v))}" for k, v in hosts.items()],
+                "Install the same torch build (and so the same bundled NCCL) on every node; a shared "
+                "container image is the easy way.",
+            )
+        )
+    elif len(hosts) == 1 and n > 1:
+        ((key, names),) = hosts.items()
+        findings.append(
+            Finding(
+                "nodes.versions",
+                "ok",
+                f"all {n} ranks on {len(names)} host(s) run torch {key[0]}, NCCL {key[1] or '-'}",
+                [", ".join(sorted(names))],
+            )
+        )
+    ar = [r for r in result.rows if r.op == "all_reduce" and r.correct]
+    if not ar:
+        return findings
+    top = max(ar, key=lambda r: r.size)
+    summary = f"all_reduce {bw.format_size(top.size)}: algbw {top.algbw:.2f} GB/s, busbw {top.busbw:.2f} GB/s"
+    if n == 1:
+        copy = f"; device-local copy {result.local_copy_gbps:.0f} GB/s" if result.local_copy_gbps else ""
+        findings.append(
+            Finding(
+                "bw.single_rank",
+                "info",
+                "one rank: all-reduce busbw is 0 by definition (2(n-1)/n), nothing crosses a link" + copy,
+                [summary],
+                "Run with two or more GPUs to measure GPU-to-GPU bandwidth.",
+            )
+        )
+        return findings
+    if result.backend != "nccl":
+        findings.append(
+            Finding(
+                "bw.result",
+                "info",
+                f"gloo on CPU works ({n} ranks): {summary}",
+                ["these numbers measure CPU and loopback speed, not NCCL"],
+                "",
+            )
+        )
+        return findings
+    expected, why = (
+        expected_busbw_gbps(snap.topology) if result.world_size == result.local_ranks else (None, "")
+    )
+    if expected and top.size >= bw.JUDGE_MIN_BYTES and top.busbw < bw.LOW_FRACTION * expected:
+        findings.append(
+            Finding(
+                "bw.low",
+                "warn",
+                f"all-reduce busbw {top.busbw:.1f} GB/s is below half of the ~{expected:.0f} GB/s the links "
+                "should give",
+                [summary, f"expected from: {why}"],
+                "Check the pairs in topo.matrix (P2P off? SYS links?), NCCL_P2P_DISABLE / NCCL_SHM_DISABLE, "
+                "ACS/IOMMU findings, GPU clocks/throttling (sddoctor tui), and other jobs on the GPUs.",
+            )
+        )
+    else:
+        note = f"expected ~{expected:.0f} GB/s ({why})" if expected else "no reference for this topology"
+        findings.append(Finding("bw.result", "ok", f"NCCL works ({n} ranks): {summary}", [note]))
+    return findings
+
+
+_BW_REMEDY = "Fix the failing findings above (torch, GPUs, MASTER_ADDR), then rerun."
