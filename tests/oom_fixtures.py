@@ -113,6 +113,8 @@ def train(cfg: dict[str, Any], micro_batch: int, guarded_faults: bool) -> dict[s
         step_times.append(time.perf_counter() - t0)
         losses.append(float(result.loss))
         settings.append([result.micro_batch, result.grad_accum, result.retries, result.fell_back])
+    guard.settle()  # the last step's optimizer agreement
+    settings.append([guard.micro_batch, guard.grad_accum, 0, False])
     digest = hashlib.sha256()
     for t in model.state_dict().values():
         digest.update(t.detach().contiguous().numpy().tobytes())
@@ -125,6 +127,68 @@ def train(cfg: dict[str, Any], micro_batch: int, guarded_faults: bool) -> dict[s
         "lr": opt.param_groups[0]["lr"],
         "step_times": step_times,
         "hook_stats": guard.stats(),
+        "n_buckets": len(guard.hook_state.layout),
+    }
+
+
+def bench(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Per-step time of the same model with and without the guard, interleaved blocks, one run."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sddoctor.instrument.oom_guard import OOMGuard
+
+    torch.manual_seed(0)
+    width, per_rank = cfg.get("width", 256), cfg["per_rank_batch"]
+    plain_model = Net.make(width, cfg.get("depth", 8), False)
+    guarded_model = Net.make(width, cfg.get("depth", 8), False)
+    plain = DDP(plain_model, bucket_cap_mb=1)
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(guarded_model.parameters(), lr=1e-3)
+    guard = OOMGuard(
+        guarded_model, wrap=lambda m: DDP(m, bucket_cap_mb=1), optimizer=opt, micro_batch=per_rank, faults=[]
+    )
+    batch = batch_for(0, dist.get_rank(), per_rank, width)
+
+    def fb(m, mb, scale):
+        loss = torch.nn.functional.mse_loss(m(mb["x"]), mb["y"])
+        (loss * scale).backward()
+        return loss.detach()
+
+    def opt_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def plain_step():
+        fb(plain, batch, 1.0)
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+
+    on, off = [], []
+    for block in range(cfg.get("blocks", 6)):
+        for _ in range(cfg.get("steps_per_block", 20)):
+            t0 = time.perf_counter()
+            plain_step()
+            t1 = time.perf_counter()
+            guard.run_step(batch, fb, opt_step, step=0)
+            t2 = time.perf_counter()
+            if block:  # the first block warms up
+                off.append(t1 - t0)
+                on.append(t2 - t1)
+    agree = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        work, _ = guard._launch_agreement(0, guard._codes_backward)
+        work.wait()
+        agree.append(time.perf_counter() - t0)
+    return {
+        "off_ms": statistics.median(off) * 1e3,
+        "on_ms": statistics.median(on) * 1e3,
+        "agree_ms": statistics.median(agree) * 1e3,
+        "params": sum(p.numel() for p in guarded_model.parameters()),
     }
 
 
@@ -143,9 +207,14 @@ def main() -> int:
 
         api.enable(out / "run")
     try:
+        if cfg.get("bench"):
+            result["bench"] = bench(cfg)
+            raise SystemExit  # skip the training runs
         result["guarded"] = train(cfg, cfg["micro_batch"], guarded_faults=True)
         if cfg.get("reference_micro_batch"):
             result["reference"] = train(cfg, cfg["reference_micro_batch"], guarded_faults=False)
+    except SystemExit:
+        pass
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         result["error"] = {"type": type(exc).__name__, "message": str(exc), "tb": traceback.format_exc()}
     if cfg.get("telemetry"):

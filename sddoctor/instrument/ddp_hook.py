@@ -51,6 +51,8 @@ class CommHookState:
         self.last_bucket_t: float | None = None
         #: called with the bucket index just before it is launched (fault injection); may raise
         self.before_launch: Callable[[int], None] | None = None
+        #: called right after the last bucket of a backward was launched
+        self.after_last_launch: Callable[[], None] | None = None
 
     def attach(self, process_group: dist.ProcessGroup | None) -> None:
         """A new DDP wrapper took over: its bucket layout is not known yet."""
@@ -75,6 +77,7 @@ class CommHookState:
         state = dict(self.__dict__)
         state["process_group"] = None
         state["before_launch"] = None
+        state["after_last_launch"] = None
         return state
 
 
@@ -101,7 +104,10 @@ def _averaging_allreduce_hook(state, bucket):
         state.last_bucket_t = time.time()
         return fut.value()[0]
 
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_done)
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_done)
+    if bucket.is_last() and state.after_last_launch is not None:
+        state.after_last_launch()
+    return fut
 
 
 def install_comm_hook(

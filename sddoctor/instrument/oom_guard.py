@@ -145,6 +145,28 @@ class _OOMFaults:
             )
 
 
+_RETRY = object()
+
+
+@dataclass
+class _PendingStep:
+    """An optimizer step whose agreement is still in flight."""
+
+    work: Any
+    codes: torch.Tensor
+    snapshot: dict[str, Any] | None
+    failure: _Failure | None
+    args: tuple[Any, ...]  # run_step's arguments, to redo the step after a roll-back
+
+
+def _agreed_codes(work: Any, codes: torch.Tensor, distributed: bool) -> list[int] | None:
+    if work is not None:
+        work.wait()
+    if not codes.any():
+        return None
+    return codes.tolist()
+
+
 @dataclass
 class _Failure:
     code: int
@@ -197,7 +219,12 @@ class OOMGuard:
         self._buffers_sync_at_start = False
         self.hook_state = CommHookState()
         self.hook_state.before_launch = self._before_bucket
-        self._codes = torch.zeros(self.world_size, dtype=torch.int64)
+        self._codes_backward = torch.zeros(self.world_size, dtype=torch.int64)
+        self._codes_optimizer = torch.zeros(self.world_size, dtype=torch.int64)
+        self._flag: tuple[Any, torch.Tensor] | None = None
+        self._in_last_micro_batch = False
+        self._pending: _PendingStep | None = None
+        self.hook_state.after_last_launch = self._launch_backward_flag
         module.register_forward_pre_hook(self._on_module_forward)
         module.register_forward_hook(self._on_module_output)
         optimizer.register_step_post_hook(self._after_optimizer_step)
@@ -212,20 +239,36 @@ class OOMGuard:
         optimizer_step: Callable[[], None],
         step: int,
     ) -> StepResult:
-        """Train on `batch` (this rank's micro_batch*grad_accum samples) as one optimizer step."""
+        """Train on `batch` (this rank's micro_batch*grad_accum samples) as one optimizer step.
+
+        The agreement on this step's optimizer step completes in the background; the next
+        run_step (or settle()) settles it before touching the model.
+        """
+        fell_back = self.settle()
         size = _batch_size(batch)
         retries = 0
-        fell_back = False
         while True:
-            loss, failure_codes, applied = self._attempt(batch, size, forward_backward, optimizer_step, step)
-            if failure_codes is None:
+            loss = self._attempt(batch, size, forward_backward, optimizer_step, step)
+            if loss is not _RETRY:
                 return StepResult(loss, self.micro_batch, self.grad_accum, retries, fell_back)
             fell_back = True
-            if applied:  # the optimizer step was completed on every rank (healthy ranks' copy)
-                return StepResult(loss, self.micro_batch, self.grad_accum, retries, fell_back)
             retries += 1
 
+    def settle(self) -> bool:
+        """Finish the agreement on the latest optimizer step and repair it if a rank failed.
+
+        A collective on the control group: call it on every rank before reading the model for a
+        checkpoint, an evaluation or the end of training (run_step calls it itself). Returns
+        whether a fallback happened.
+        """
+        fell_back = False
+        while self._pending is not None:
+            pending, self._pending = self._pending, None
+            fell_back |= self._settle_optimizer_step(pending)
+        return fell_back
+
     def state_dict(self) -> dict[str, Any]:
+        """Micro-batch, accumulation and gradient checkpointing; call settle() on every rank first."""
         return {
             "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
@@ -258,57 +301,78 @@ class OOMGuard:
     # -- one attempt -------------------------------------------------------------------------
 
     def _attempt(self, batch, size, forward_backward, optimizer_step, step):
+        """One try at the step; returns the loss, or _RETRY after an agreed failure."""
         self._step = step
         self._ddp_forwards = 0
         self._buffers_sync_at_start = _buffers_sync_before_forward(self.model)
+        self._flag = None
         self.hook_state.begin_step()
+        self._in_last_micro_batch = False
         chunks = _split(batch, self.micro_batch, size)
         outcome = self._run_micro_batches(chunks, size, forward_backward)
+        self._in_last_micro_batch = False
         del chunks
         failure = outcome if isinstance(outcome, _Failure) else None
         losses = None if failure is not None else outcome
         del outcome
-        if failure is not None and self.distributed:
+        late = None
+        if failure is not None and self._flag is not None:
+            # This rank had sent every bucket and told the others its backward was fine before it
+            # failed: the gradients the others hold are complete. It skips the optimizer step and
+            # reports in the optimizer agreement, which re-syncs it from a healthy rank.
+            late, failure = failure, None
+        elif failure is not None and self.distributed:
             self._complete_data_plane()
-        codes = self._agree(failure.code if failure else OK)
+        codes = self._finish_backward_agreement(failure.code if failure else OK)
         if codes is not None:
             losses = None
             self._reset_after_failure(rewrap=True)
-            self._fall_back(codes, failure, step)
-            return None, codes, False
-        loss = _mean_loss(losses, _split_sizes(size, self.micro_batch), size)
+            self._fall_back(codes, failure or late, step)
+            return _RETRY
+        loss = _mean_loss(losses, _split_sizes(size, self.micro_batch), size) if losses else None
         del losses
 
-        snapshot = self._snapshot() if self._wants_snapshot() else None
-        failure = None
-        self._phase = "optimizer"
-        try:
-            optimizer_step()
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement
-            failure = self._failure(exc, OPTIMIZER)
-            del exc
-        codes = self._agree(failure.code if failure else OK)
+        snapshot = self._snapshot() if late is None and self._wants_snapshot() else None
+        failure = late
+        if late is None:
+            self._phase = "optimizer"
+            try:
+                optimizer_step()
+            except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement
+                failure = self._failure(exc, OPTIMIZER)
+                del exc
+        work, codes_buf = self._launch_agreement(failure.code if failure else OK, self._codes_optimizer)
+        self._pending = _PendingStep(
+            work, codes_buf, snapshot, failure, (batch, forward_backward, optimizer_step, step)
+        )
+        return loss
+
+    def _settle_optimizer_step(self, pending: _PendingStep) -> bool:
+        codes = _agreed_codes(pending.work, pending.codes, self.distributed)
         if codes is None:
-            return loss, None, True
-        healthy = [r for r in range(self.world_size) if codes[r] == OK]
+            return False
         if any(c == ERROR for c in codes):
-            self._raise_agreed_error(codes, failure)
+            self._raise_agreed_error(codes, pending.failure)
+        healthy = [r for r in range(self.world_size) if codes[r] == OK]
+        step = pending.args[3]
         if healthy:
             self._resync_from(healthy[0])
             self._reset_after_failure(rewrap=False)
-            self._fall_back(codes, failure, step, applied=True)
-            return loss, codes, True
-        if snapshot is None:
+            self._fall_back(codes, pending.failure, step, applied=True)
+            return True
+        if pending.snapshot is None and OPTIMIZER in codes:
             raise OOMGuardError(
                 f"step {step}: the optimizer step ran out of memory on every rank and there is no "
                 "snapshot to roll back to (parameters may be partly updated); pass "
                 f"optimizer_snapshot='always' to OOMGuard to make this recoverable. Advice: {ADVICE}"
             )
-        self._restore(snapshot)
-        del snapshot
+        if pending.snapshot is not None:
+            self._restore(pending.snapshot)
+        pending.snapshot = None
         self._reset_after_failure(rewrap=False)
-        self._fall_back(codes, failure, step)
-        return None, codes, False
+        self._fall_back(codes, pending.failure, step)
+        self.run_step(*pending.args)  # redo the step; its own agreement is settled by the caller's loop
+        return True
 
     def _run_micro_batches(self, chunks, size, forward_backward):
         losses: list[torch.Tensor] = []
@@ -317,6 +381,7 @@ class OOMGuard:
             for i, chunk in enumerate(chunks):
                 no_sync = getattr(self.model, "no_sync", None)
                 ctx = no_sync() if (i < last and no_sync is not None) else contextlib.nullcontext()
+                self._in_last_micro_batch = i == last
                 with ctx:
                     self._phase = "forward"
                     loss = forward_backward(self.model, chunk, _len(chunk) / size)
@@ -355,17 +420,28 @@ class OOMGuard:
                 ddp._sync_buffers()
         complete_missing_buckets(ddp, self.hook_state)
 
-    def _agree(self, code: int) -> list[int] | None:
-        """All-reduce every rank's code on the control group; None when every rank is fine."""
-        if not self.distributed:
-            return None if code == OK else [code]
-        codes = self._codes
+    def _launch_agreement(self, code: int, codes: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Start the all-reduce (MAX) of every rank's code on the control group."""
         codes.zero_()
         codes[self.rank] = code
-        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=self.control_group)
-        if not codes.any():
-            return None
-        return codes.tolist()
+        if not self.distributed:
+            return None, codes
+        return dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True), codes
+
+    def _launch_backward_flag(self) -> None:
+        # Called by the comm hook right after the last bucket of the last micro-batch went out:
+        # this rank's backward is as good as done, so its "all fine" travels now and the round
+        # trip overlaps with the last bucket's all-reduce instead of following it.
+        if self._in_last_micro_batch and self._flag is None:
+            self._flag = self._launch_agreement(OK, self._codes_backward)
+
+    def _finish_backward_agreement(self, code: int) -> list[int] | None:
+        """The agreement after backward: None when every rank is fine, else every rank's code."""
+        if self._flag is None or code != OK:
+            self._flag = self._launch_agreement(code, self._codes_backward)
+        work, codes = self._flag
+        self._flag = None
+        return _agreed_codes(work, codes, self.distributed)
 
     def _raise_agreed_error(self, codes: list[int], failure: _Failure | None) -> None:
         if failure is not None and failure.exc is not None:
