@@ -167,7 +167,23 @@ def bench(cfg: dict[str, Any]) -> dict[str, Any]:
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
 
-    on, off = [], []
+    # A third variant: the guard with its control-plane agreements left out (what they cost).
+    quiet_model = Net.make(width, cfg.get("depth", 8), False)
+    quiet_opt = torch.optim.AdamW(quiet_model.parameters(), lr=1e-3)
+    quiet = OOMGuard(
+        quiet_model,
+        wrap=lambda m: DDP(m, bucket_cap_mb=1),
+        optimizer=quiet_opt,
+        micro_batch=per_rank,
+        faults=[],
+    )
+    quiet.distributed = False
+
+    def quiet_step():
+        quiet_opt.step()
+        quiet_opt.zero_grad(set_to_none=True)
+
+    on, off, no_agree = [], [], []
     for block in range(cfg.get("blocks", 6)):
         for _ in range(cfg.get("steps_per_block", 20)):
             t0 = time.perf_counter()
@@ -175,9 +191,12 @@ def bench(cfg: dict[str, Any]) -> dict[str, Any]:
             t1 = time.perf_counter()
             guard.run_step(batch, fb, opt_step, step=0)
             t2 = time.perf_counter()
+            quiet.run_step(batch, fb, quiet_step, step=0)
+            t3 = time.perf_counter()
             if block:  # the first block warms up
                 off.append(t1 - t0)
                 on.append(t2 - t1)
+                no_agree.append(t3 - t2)
     agree = []
     for _ in range(200):
         t0 = time.perf_counter()
@@ -188,6 +207,7 @@ def bench(cfg: dict[str, Any]) -> dict[str, Any]:
         "off_ms": statistics.median(off) * 1e3,
         "on_ms": statistics.median(on) * 1e3,
         "agree_ms": statistics.median(agree) * 1e3,
+        "no_agree_ms": statistics.median(no_agree) * 1e3,
         "params": sum(p.numel() for p in guarded_model.parameters()),
     }
 

@@ -222,6 +222,7 @@ class OOMGuard:
         self._codes_backward = torch.zeros(self.world_size, dtype=torch.int64)
         self._codes_optimizer = torch.zeros(self.world_size, dtype=torch.int64)
         self._flag: tuple[Any, torch.Tensor] | None = None
+        self._optimizer_state_complete = False
         self._in_last_micro_batch = False
         self._pending: _PendingStep | None = None
         self.hook_state.after_last_launch = self._launch_backward_flag
@@ -241,10 +242,10 @@ class OOMGuard:
     ) -> StepResult:
         """Train on `batch` (this rank's micro_batch*grad_accum samples) as one optimizer step.
 
-        The agreement on this step's optimizer step completes in the background; the next
-        run_step (or settle()) settles it before touching the model.
+        The agreement on this step's optimizer step completes in the background and is settled
+        by the next run_step after its backward (or by settle()), so that no step waits on it.
         """
-        fell_back = self.settle()
+        fell_back = False
         size = _batch_size(batch)
         retries = 0
         while True:
@@ -324,6 +325,13 @@ class OOMGuard:
         elif failure is not None and self.distributed:
             self._complete_data_plane()
         codes = self._finish_backward_agreement(failure.code if failure else OK)
+        pending, self._pending = self._pending, None
+        if pending is not None and self._settle_optimizer_step(pending):
+            # The previous optimizer step failed somewhere and was repaired (or redone): this
+            # step's gradients came from parameters that differed between ranks. Redo it.
+            losses = None
+            self._reset_after_failure(rewrap=codes is not None)
+            return _RETRY
         if codes is not None:
             losses = None
             self._reset_after_failure(rewrap=True)
@@ -436,7 +444,11 @@ class OOMGuard:
             self._flag = self._launch_agreement(OK, self._codes_backward)
 
     def _finish_backward_agreement(self, code: int) -> list[int] | None:
-        """The agreement after backward: None when every rank is fine, else every rank's code."""
+        """The agreement after backward: None when every rank is fine, else every rank's code.
+
+        The flag goes out before the previous step's optimizer agreement is resolved, so that the
+        control group sees the same order of collectives on every rank.
+        """
         if self._flag is None or code != OK:
             self._flag = self._launch_agreement(code, self._codes_backward)
         work, codes = self._flag
@@ -544,13 +556,15 @@ class OOMGuard:
         if self.optimizer_snapshot == "always":
             return True
         # Lazily allocated state (Adam's moments, momentum buffers) is the classic optimizer OOM,
-        # so snapshot exactly when some parameter with a gradient has no state yet.
+        # so snapshot exactly when some parameter with a gradient has no state yet. Once every
+        # parameter has state the answer stays no (until a restore or re-sync), so stop asking.
+        if self._optimizer_state_complete:
+            return False
         state = self.optimizer.state
-        return any(
-            p.grad is not None and not state.get(p)
-            for group in self.optimizer.param_groups
-            for p in group["params"]
-        )
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        missing = any(p.grad is not None and not state.get(p) for p in params)
+        self._optimizer_state_complete = not missing and all(state.get(p) for p in params)
+        return missing
 
     def _snapshot(self) -> dict[str, Any]:
         return {
@@ -560,6 +574,7 @@ class OOMGuard:
         }
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
+        self._optimizer_state_complete = False
         with torch.no_grad():
             self.module.load_state_dict(snapshot["module"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
@@ -568,6 +583,7 @@ class OOMGuard:
 
     def _resync_from(self, src: int) -> None:
         """Make every rank hold rank `src`'s parameters, optimizer state and extra state."""
+        self._optimizer_state_complete = False
         data_group = getattr(self.model, "process_group", None)
         with torch.no_grad():
             for tensor in self.module.state_dict().values():
