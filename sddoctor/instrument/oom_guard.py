@@ -326,11 +326,9 @@ class OOMGuard:
             self._complete_data_plane()
         codes = self._finish_backward_agreement(failure.code if failure else OK)
         pending, self._pending = self._pending, None
-        if pending is not None and self._settle_optimizer_step(pending):
+        if pending is not None and self._settle_optimizer_step(pending, broken_wrapper=codes is not None):
             # The previous optimizer step failed somewhere and was repaired (or redone): this
             # step's gradients came from parameters that differed between ranks. Redo it.
-            losses = None
-            self._reset_after_failure(rewrap=codes is not None)
             return _RETRY
         if codes is not None:
             losses = None
@@ -355,7 +353,12 @@ class OOMGuard:
         )
         return loss
 
-    def _settle_optimizer_step(self, pending: _PendingStep) -> bool:
+    def _settle_optimizer_step(self, pending: _PendingStep, broken_wrapper: bool = False) -> bool:
+        """Resolve a finished optimizer agreement; True when a failure was repaired.
+
+        `broken_wrapper`: a rank failed in the backward that preceded this call, so its DDP
+        reducer is unusable and every rank needs a fresh wrapper.
+        """
         codes = _agreed_codes(pending.work, pending.codes, self.distributed)
         if codes is None:
             return False
@@ -365,7 +368,7 @@ class OOMGuard:
         step = pending.args[3]
         if healthy:
             self._resync_from(healthy[0])
-            self._reset_after_failure(rewrap=False)
+            self._reset_after_failure(rewrap=broken_wrapper)
             self._fall_back(codes, pending.failure, step, applied=True)
             return True
         if pending.snapshot is None and OPTIMIZER in codes:
@@ -377,7 +380,7 @@ class OOMGuard:
         if pending.snapshot is not None:
             self._restore(pending.snapshot)
         pending.snapshot = None
-        self._reset_after_failure(rewrap=False)
+        self._reset_after_failure(rewrap=broken_wrapper)
         self._fall_back(codes, pending.failure, step)
         self.run_step(*pending.args)  # redo the step; its own agreement is settled by the caller's loop
         return True
