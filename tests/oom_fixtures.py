@@ -184,8 +184,8 @@ def bench(cfg: dict[str, Any]) -> dict[str, Any]:
         quiet_opt.zero_grad(set_to_none=True)
 
     on, off, no_agree = [], [], []
-    for block in range(cfg.get("blocks", 5)):
-        for _ in range(cfg.get("steps_per_block", 15)):
+    for block in range(cfg.get("blocks", 4)):
+        for _ in range(cfg.get("steps_per_block", 12)):
             t0 = time.perf_counter()
             plain_step()
             t1 = time.perf_counter()

@@ -69,7 +69,7 @@ class InjectedOutOfMemory(torch.cuda.OutOfMemoryError):
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor | None  # mean over the step's samples, detached, on the loss's device
+    loss: torch.Tensor  # mean over the step's samples, detached, on the loss's device
     micro_batch: int
     grad_accum: int
     retries: int
@@ -335,7 +335,13 @@ class OOMGuard:
             self._reset_after_failure(rewrap=True)
             self._fall_back(codes, failure or late, step)
             return _RETRY
-        loss = _mean_loss(losses, _split_sizes(size, self.micro_batch), size) if losses else None
+        # NaN when this rank failed after its backward was agreed (its loss is lost; the step is
+        # completed from a healthy rank at the next settle).
+        loss = (
+            _mean_loss(losses, _split_sizes(size, self.micro_batch), size)
+            if losses
+            else torch.tensor(float("nan"))
+        )
         del losses
 
         snapshot = self._snapshot() if late is None and self._wants_snapshot() else None
