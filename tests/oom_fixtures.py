@@ -200,7 +200,7 @@ def bench(cfg: dict[str, Any]) -> dict[str, Any]:
     agree = []
     for _ in range(200):
         t0 = time.perf_counter()
-        work, _ = guard._launch_agreement(0, guard._codes_backward)
+        work, _ = guard._launch_agreement(0, 0)
         work.wait()
         agree.append(time.perf_counter() - t0)
     return {

@@ -10,22 +10,26 @@ One step, as every rank runs it:
     split the batch into micro-batches; no_sync() on all but the last one
     forward/backward ──(OOM or error)──> post zero all-reduces for the buckets not sent
                                          (the others wait for them inside backward)
-    agreement #1: all-reduce of a per-rank failure code on a gloo control group
-        any rank failed -> every rank drops its gradients and the DDP wrapper, frees memory,
-                           halves the micro-batch (largest divisor of the per-rank batch
-                           <= half), re-wraps, and redoes the same batch
-    optimizer_step (after a CPU snapshot only when optimizer state is still to be allocated)
-    agreement #2: same all-reduce
+    agreement: all-reduce (MAX) on a gloo control group of [this step's backward code |
+               the previous optimizer step's code] of every rank; a healthy rank launches it
+               from the comm hook right after its last gradient bucket, so it overlaps with
+               that bucket's all-reduce: one control-plane collective per step, never waited
+               on in a step without failure
+    previous optimizer step failed somewhere -> repair it (below), redo this step
+    this step failed somewhere -> every rank drops its gradients and the DDP wrapper, frees
+               memory, halves the micro-batch (largest divisor of the per-rank batch <= half),
+               re-wraps, and redoes the same batch
+    optimizer_step (after a CPU snapshot only when optimizer state is still to be allocated);
+               its outcome travels with the next agreement (next step, or settle())
         some rank failed, some did not -> the failed ranks receive parameters, optimizer
-                           state and `extra_state` from the lowest healthy rank: every rank
-                           has applied the full step; later steps use the smaller micro-batch
-        every rank failed -> restore the snapshot on every rank and redo the step smaller
-                           (without a snapshot: OOMGuardError, nothing can be trusted)
+               state and `extra_state` from the lowest healthy rank: every rank has applied
+               the full step; later steps use the smaller micro-batch
+        every rank failed -> restore the snapshot on every rank and redo that step smaller
+               (without a snapshot: OOMGuardError, nothing can be trusted)
 
 The control plane is a separate gloo group so that agreement never interleaves with the
 gradient all-reduces of the data plane. An out-of-memory is raised on the host at allocation
-time, so agreement never waits for the GPU: on a GPU the CPU runs ahead and the two small
-all-reduces overlap with kernels already queued.
+time, so agreement never waits for the GPU.
 
 Any other exception inside the step is agreed too: every rank raises (the failing rank its own
 exception, the others OOMGuardError naming it) instead of hanging in a collective.
@@ -150,21 +154,23 @@ _RETRY = object()
 
 @dataclass
 class _PendingStep:
-    """An optimizer step whose agreement is still in flight."""
+    """An optimizer step whose outcome the other ranks have not heard of yet."""
 
-    work: Any
-    codes: torch.Tensor
+    code: int  # this rank's outcome (OK or a failure code)
     snapshot: dict[str, Any] | None
     failure: _Failure | None
     args: tuple[Any, ...]  # run_step's arguments, to redo the step after a roll-back
 
 
-def _agreed_codes(work: Any, codes: torch.Tensor, distributed: bool) -> list[int] | None:
+def _split_codes(
+    work: Any, codes: torch.Tensor, world_size: int
+) -> tuple[list[int] | None, list[int] | None]:
+    """Wait for an agreement; (backward codes, previous optimizer step codes), None where all OK."""
     if work is not None:
         work.wait()
-    if not codes.any():
-        return None
-    return codes.tolist()
+    values = codes.tolist()
+    backward, optimizer = values[:world_size], values[world_size:]
+    return (backward if any(backward) else None), (optimizer if any(optimizer) else None)
 
 
 @dataclass
@@ -219,8 +225,8 @@ class OOMGuard:
         self._buffers_sync_at_start = False
         self.hook_state = CommHookState()
         self.hook_state.before_launch = self._before_bucket
-        self._codes_backward = torch.zeros(self.world_size, dtype=torch.int64)
-        self._codes_optimizer = torch.zeros(self.world_size, dtype=torch.int64)
+        # One agreement per step: [backward code of every rank | previous optimizer step's code]
+        self._codes = torch.zeros(2 * self.world_size, dtype=torch.int64)
         self._flag: tuple[Any, torch.Tensor] | None = None
         self._optimizer_state_complete = False
         self._in_last_micro_batch = False
@@ -265,7 +271,8 @@ class OOMGuard:
         fell_back = False
         while self._pending is not None:
             pending, self._pending = self._pending, None
-            fell_back |= self._settle_optimizer_step(pending)
+            _, codes = _split_codes(*self._launch_agreement(OK, pending.code), self.world_size)
+            fell_back |= self._settle_optimizer_step(pending, codes)
         return fell_back
 
     def state_dict(self) -> dict[str, Any]:
@@ -324,9 +331,9 @@ class OOMGuard:
             late, failure = failure, None
         elif failure is not None and self.distributed:
             self._complete_data_plane()
-        codes = self._finish_backward_agreement(failure.code if failure else OK)
+        codes, optimizer_codes = self._finish_backward_agreement(failure.code if failure else OK)
         pending, self._pending = self._pending, None
-        if pending is not None and self._settle_optimizer_step(pending, broken_wrapper=codes is not None):
+        if pending is not None and self._settle_optimizer_step(pending, optimizer_codes, codes is not None):
             # The previous optimizer step failed somewhere and was repaired (or redone): this
             # step's gradients came from parameters that differed between ranks. Redo it.
             return _RETRY
@@ -353,19 +360,23 @@ class OOMGuard:
             except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement
                 failure = self._failure(exc, OPTIMIZER)
                 del exc
-        work, codes_buf = self._launch_agreement(failure.code if failure else OK, self._codes_optimizer)
+        # Its outcome travels with the next agreement (the next step's backward flag, or settle()).
         self._pending = _PendingStep(
-            work, codes_buf, snapshot, failure, (batch, forward_backward, optimizer_step, step)
+            failure.code if failure else OK,
+            snapshot,
+            failure,
+            (batch, forward_backward, optimizer_step, step),
         )
         return loss
 
-    def _settle_optimizer_step(self, pending: _PendingStep, broken_wrapper: bool = False) -> bool:
+    def _settle_optimizer_step(
+        self, pending: _PendingStep, codes: list[int] | None, broken_wrapper: bool = False
+    ) -> bool:
         """Resolve a finished optimizer agreement; True when a failure was repaired.
 
         `broken_wrapper`: a rank failed in the backward that preceded this call, so its DDP
         reducer is unusable and every rank needs a fresh wrapper.
         """
-        codes = _agreed_codes(pending.work, pending.codes, self.distributed)
         if codes is None:
             return False
         if any(c == ERROR for c in codes):
@@ -437,10 +448,12 @@ class OOMGuard:
                 ddp._sync_buffers()
         complete_missing_buckets(ddp, self.hook_state)
 
-    def _launch_agreement(self, code: int, codes: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """Start the all-reduce (MAX) of every rank's code on the control group."""
+    def _launch_agreement(self, code: int, optimizer_code: int) -> tuple[Any, torch.Tensor]:
+        """Start the all-reduce (MAX) of every rank's codes on the control group."""
+        codes = self._codes
         codes.zero_()
         codes[self.rank] = code
+        codes[self.world_size + self.rank] = optimizer_code
         if not self.distributed:
             return None, codes
         return dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True), codes
@@ -450,19 +463,21 @@ class OOMGuard:
         # this rank's backward is as good as done, so its "all fine" travels now and the round
         # trip overlaps with the last bucket's all-reduce instead of following it.
         if self._in_last_micro_batch and self._flag is None:
-            self._flag = self._launch_agreement(OK, self._codes_backward)
+            self._flag = self._launch_agreement(OK, self._pending_code())
 
-    def _finish_backward_agreement(self, code: int) -> list[int] | None:
-        """The agreement after backward: None when every rank is fine, else every rank's code.
+    def _pending_code(self) -> int:
+        return self._pending.code if self._pending is not None else OK
 
-        The flag goes out before the previous step's optimizer agreement is resolved, so that the
-        control group sees the same order of collectives on every rank.
+    def _finish_backward_agreement(self, code: int) -> tuple[list[int] | None, list[int] | None]:
+        """The agreement after backward, which also carries the previous optimizer step's outcome.
+
+        Returns (backward codes, previous optimizer codes), each None when every rank is fine.
         """
         if self._flag is None or code != OK:
-            self._flag = self._launch_agreement(code, self._codes_backward)
+            self._flag = self._launch_agreement(code, self._pending_code())
         work, codes = self._flag
         self._flag = None
-        return _agreed_codes(work, codes, self.distributed)
+        return _split_codes(work, codes, self.world_size)
 
     def _raise_agreed_error(self, codes: list[int], failure: _Failure | None) -> None:
         if failure is not None and failure.exc is not None:
