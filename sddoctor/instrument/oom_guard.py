@@ -265,8 +265,8 @@ class OOMGuard:
         """Finish the agreement on the latest optimizer step and repair it if a rank failed.
 
         A collective on the control group: call it on every rank before reading the model for a
-        checkpoint, an evaluation or the end of training (run_step calls it itself). Returns
-        whether a fallback happened.
+        checkpoint, an evaluation or the end of training (between steps, run_step's own agreement
+        does this). Returns whether a fallback happened.
         """
         fell_back = False
         while self._pending is not None:
