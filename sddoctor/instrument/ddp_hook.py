@@ -1,0 +1,171 @@
+"""A DDP comm hook that averages gradient buckets exactly like DDP's default hook and keeps account.
+
+    from sddoctor.instrument.ddp_hook import install_comm_hook
+    ddp = DDP(model, ...)
+    hook = install_comm_hook(ddp)          # returns the CommHookState
+    ...
+    hook.stats()  # {"buckets": 412, "seconds": 3.1, "last_bucket_t": 1764670000.2}
+
+What it adds to the plain all-reduce, all in memory and without a lock (the hook runs on the
+autograd thread; counters are plain ints under the GIL):
+- which buckets were launched in the current backward (index, numel, dtype, device) and the bucket
+  layout of the latest backward that launched every bucket;
+- a count and the summed launch-to-completion time of bucket all-reduces (on NCCL the future
+  completes when the work is enqueued, so there the time is the CPU side only);
+- `complete_missing_buckets`: after a rank failed mid-backward, post all-reduces of zeros for the
+  buckets it never launched, so the ranks still inside backward are not left waiting.
+
+Communication still overlaps with backward: each bucket is all-reduced as soon as DDP hands it over.
+Works with `gradient_as_bucket_view=True` (the reduction is in place in the bucket buffer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    index: int
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class CommHookState:
+    """What the hook knows about the gradient buckets of one DDP model (kept across re-wraps)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.process_group = process_group
+        self.launched: list[BucketInfo] = []  # buckets launched in the current backward, in order
+        self.layout: list[BucketInfo] = []  # every bucket of the latest backward that launched them all
+        self.full_backwards = 0  # backwards that launched every bucket, since the last attach()
+        self.buckets = 0
+        self.seconds = 0.0
+        self.last_bucket_t: float | None = None
+        #: called with the bucket index just before it is launched (fault injection); may raise
+        self.before_launch: Callable[[int], None] | None = None
+        #: called right after the last bucket of a backward was launched
+        self.after_last_launch: Callable[[], None] | None = None
+
+    def attach(self, process_group: dist.ProcessGroup | None) -> None:
+        """A new DDP wrapper took over: its bucket layout is not known yet."""
+        self.process_group = process_group
+        self.launched = []
+        self.layout = []
+        self.full_backwards = 0
+
+    def begin_step(self) -> None:
+        """Forget the buckets of the previous step (call before the step's first forward)."""
+        self.launched = []
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "buckets": self.buckets,
+            "seconds": round(self.seconds, 6),
+            "last_bucket_t": self.last_bucket_t,
+        }
+
+    # Pickling a DDP model drops comm hooks anyway; keep the state picklable for safety.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["before_launch"] = None
+        state["after_last_launch"] = None
+        return state
+
+
+# No annotations: DDP inspects them and rejects the strings that `from __future__ import annotations` makes.
+def _averaging_allreduce_hook(state, bucket):
+    index = bucket.index()
+    if index == 0:
+        state.launched = []
+    if state.before_launch is not None:
+        state.before_launch(index)
+    buffer = bucket.buffer()
+    state.launched.append(BucketInfo(index, buffer.numel(), buffer.dtype, buffer.device))
+    if bucket.is_last():
+        state.layout = list(state.launched)
+        state.full_backwards += 1
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    # Same arithmetic as DDP's default hook: divide first, then sum (bitwise identical results).
+    buffer.div_(dist.get_world_size(group))
+    started = time.perf_counter()
+
+    def _done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        state.buckets += 1
+        state.seconds += time.perf_counter() - started
+        state.last_bucket_t = time.time()
+        return fut.value()[0]
+
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_done)
+    if bucket.is_last() and state.after_last_launch is not None:
+        state.after_last_launch()
+    return fut
+
+
+def install_comm_hook(
+    ddp_model: torch.nn.parallel.DistributedDataParallel, state: CommHookState | None = None
+) -> CommHookState:
+    """Register the accounting all-reduce hook on `ddp_model` (before its first backward)."""
+    if state is None:
+        state = CommHookState(ddp_model.process_group)
+    else:
+        state.attach(ddp_model.process_group)
+    ddp_model.register_comm_hook(state, _averaging_allreduce_hook)
+    return state
+
+
+def live_bucket_layout(
+    ddp_model: torch.nn.parallel.DistributedDataParallel, state: CommHookState
+) -> list[BucketInfo]:
+    """The bucket layout the other ranks use in this backward.
+
+    DDP rebuilds its buckets once per wrapper, in the forward after the first synchronised
+    backward, so a layout recorded before that is stale. After two full backwards of this wrapper
+    the recorded layout is final; before that ask the reducer (a private API that allocates the
+    zero buckets once; it exists in torch 1.10 to 2.13).
+    """
+    if state.full_backwards >= 2 and state.layout:
+        return list(state.layout)
+    reducer = getattr(ddp_model, "reducer", None)
+    if reducer is not None and hasattr(reducer, "_get_zeros_like_grad_buckets"):
+        buckets = reducer._get_zeros_like_grad_buckets()
+        layout = [
+            BucketInfo(b.index(), b.buffer().numel(), b.buffer().dtype, b.buffer().device) for b in buckets
+        ]
+        del buckets
+        return layout
+    return list(state.layout)
+
+
+def complete_missing_buckets(
+    ddp_model: torch.nn.parallel.DistributedDataParallel, state: CommHookState
+) -> int:
+    """All-reduce zeros for every bucket this rank did not launch in the current backward.
+
+    Called by a rank whose step failed, so that the ranks still in backward get every bucket
+    all-reduce they wait for. Buckets go in index order (the order DDP launches them). One
+    zero buffer per dtype and device is reused bucket after bucket to keep the memory small on
+    a rank that just ran out of it. Returns the number of buckets posted.
+    """
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    sent = {b.index for b in state.launched}
+    missing = [b for b in live_bucket_layout(ddp_model, state) if b.index not in sent]
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    for info in missing:
+        key = (info.dtype, info.device)
+        need = max(b.numel for b in missing if (b.dtype, b.device) == key)
+        buf = scratch.get(key)
+        if buf is None:
+            buf = scratch[key] = torch.zeros(need, dtype=info.dtype, device=info.device)
+        else:
+            buf.zero_()  # the previous all-reduce wrote the other ranks' sum into it
+        dist.all_reduce(buf[: info.numel], group=group, async_op=True).wait()
+    return len(missing)
