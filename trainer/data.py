@@ -333,7 +333,8 @@ class FolderDataset(AugmentedDataset):
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
-        h.update(f"{self.kind}|{self.root.resolve()}|{_transform_tag(self.cfg, self.seed)}".encode())
+        # Relative paths: a moved or copied folder (same files, sizes, mtimes) keeps its cache.
+        h.update(f"{self.kind}|{_transform_tag(self.cfg, self.seed)}".encode())
         for record, (size, mtime) in zip(self.records, self._stats, strict=True):
             rel = os.path.relpath(record.path, self.root)
             h.update(json.dumps([rel, size, mtime, record.caption]).encode())
