@@ -99,6 +99,9 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     config = getattr(module, "config", None)
     if config is not None:
         as_dict = dict(config) if isinstance(config, dict) else getattr(config, "to_dict", lambda: {})()
+        # Private keys ("_use_default_values" is a set dumped in hash-seed order, "_name_or_path")
+        # and library versions do not change what the model computes.
+        as_dict = {k: v for k, v in as_dict.items() if not k.startswith("_") and not k.endswith("_version")}
         h.update(json.dumps(as_dict, sort_keys=True, default=str).encode())
     samples = []
     for name, tensor in module.state_dict().items():
