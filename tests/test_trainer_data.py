@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -28,6 +29,15 @@ def write_png(path: Path, size: tuple[int, int] = (20, 12), seed: int = 0) -> Pa
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     Image.fromarray(pixels).save(path)
     return path
+
+
+def write_truncated_jpeg(path: Path) -> None:
+    """A JPEG cut in its scan data: PIL's verify() passes it, decoding fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    noise = np.random.default_rng(9).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(buffer, "JPEG")
+    path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) * 3 // 4])
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -129,13 +139,19 @@ def test_corrupt_images_skipped_with_named_warning_and_counted(tmp_path: Path, c
         assert name in caplog.text
     assert "skipped 3 of 7 images" in caplog.text
 
-    # An image that breaks after indexing is replaced by the next readable one, deterministically.
-    broken = ds.records[1].path
-    broken.write_bytes(b"\x89PNG\r\n\x1a\n broken later")
-    item = ds[1]
+    # A truncated JPEG passes the indexing check but fails to decode: the next readable item
+    # stands in, deterministically, and the failure is reported.
+    write_truncated_jpeg(root / "sub" / "cut.jpg")
+    write_jsonl(root / "sub" / "metadata.jsonl", [{"file_name": "cut.jpg", "text": "cut"}])
+    ds = build_dataset(DataConfig(source=str(root), resolution=8))
+    assert len(ds) == 5
+    broken = root / "sub" / "cut.jpg"
+    index = [r.path for r in ds.records].index(broken)
+    item = ds[index]
     assert item["load_error"] == str(broken)
-    assert item["caption"] == ds.caption(2) and item["pixel_values"].shape == (3, 8, 8)
-    assert torch.equal(item["pixel_values"], ds[1]["pixel_values"])
+    assert item["caption"] == ds.caption((index + 1) % 5) and item["pixel_values"].shape == (3, 8, 8)
+    assert torch.equal(item["pixel_values"], ds[index]["pixel_values"])
+    assert ds[index]["load_error"] == str(broken)  # still reported on every use
     assert str(broken) in [s.path for s in ds.skipped]
 
 

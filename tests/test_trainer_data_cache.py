@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_trainer_data import write_truncated_jpeg
 
 from conftest import free_port, subprocess_env
 from trainer.cache import build_cache, sample_latents
@@ -168,8 +169,24 @@ def test_cache_contents_reuse_and_invalidation(tmp_path: Path) -> None:
         vae.encoder.conv_in.weight.add_(0.01)
     retrained = build_cache(build_dataset(cfg, seed=2), vae, text_encoder, tokenizer, cfg, "cpu")
     assert not retrained.stats.hit and retrained.stats.key != changed.stats.key
+    # A truncated JPEG passes the indexing check but fails to decode: the next item stands in
+    # (its latents and caption), and the file is reported.
+    write_truncated_jpeg(data / "img05.jpg")
+    (data / "img05.txt").write_text("never seen")
+    ds = build_dataset(cfg, seed=2)
+    assert len(ds) == 6 and ds.skipped == []
+    substituted = build_cache(ds, vae, text_encoder, tokenizer, cfg, "cpu")
+    assert substituted.stats.load_errors == [str(data / "img05.jpg")]
+    assert str(data / "img05.jpg") in [s.path for s in substituted.skipped]
+    for epoch in range(2):
+        item = substituted[SampleKey(5, epoch)]
+        assert item["caption"] == ds.caption(0) == "red"
+        stand_in = ds[SampleKey(5, epoch)]  # the uncached dataset substitutes the same way
+        assert stand_in["load_error"] == str(data / "img05.jpg") and stand_in["caption"] == "red"
+        expected = encode_directly(vae, stand_in["pixel_values"])[0]
+        assert torch.allclose(item["latent_mean"], expected, atol=1e-5)
     entries = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert len(entries) == 3 and not any(p.name.startswith(".") for p in (tmp_path / "cache").rglob("*"))
+    assert len(entries) == 4 and not any(p.name.startswith(".") for p in (tmp_path / "cache").rglob("*"))
 
 
 def _rank_main(rank: int, world_size: int, port: int, root: Path) -> None:

@@ -263,8 +263,8 @@ class _EncodeView(Dataset):
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         index = self.indices[position]
-        pixels, _, error = self.dataset.pixels(index, epoch=0, flip=False)
-        return {"pixel_values": pixels, "index": index, "load_error": error}
+        pixels, used, error = self.dataset.pixels(index, epoch=0, flip=False)
+        return {"pixel_values": pixels, "index": index, "source": used, "load_error": error}
 
 
 def _model_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -321,6 +321,7 @@ def _encode_images(
             latent_dist = vae.encode(pixels).latent_dist
         mean, std = latent_dist.mean.to(dtype), latent_dist.std.to(dtype)
         n = len(batch["index"])
+        writer.write("source", offset, batch["source"].numpy())
         writer.write("mean", offset, mean[:n])
         writer.write("std", offset, std[:n])
         if with_flip:
@@ -378,6 +379,9 @@ class CachedDataset(Dataset):
         self.captions_list = dataset.captions()
         table = {caption: i for i, caption in enumerate(self.manifest["captions"])}
         self.caption_ids = np.asarray([table[c] for c in self.captions_list], dtype=np.int64)
+        # Item whose image (and so caption) stands in for each index; differs only where an
+        # image failed to decode while the cache was built.
+        self.source = np.arange(len(self.captions_list), dtype=np.int64)
         self.skipped = list(dataset.skipped) + [
             SkippedFile(p, "failed to decode; substituted") for p in stats.load_errors
         ]
@@ -404,6 +408,8 @@ class CachedDataset(Dataset):
             arrays = {p.stem: np.load(p, mmap_mode="r") for p in (self.path / name).glob("*.npy")}
             image_loc[arrays["index"], 0] = shard
             image_loc[arrays["index"], 1] = np.arange(len(arrays["index"]))
+            if "source" in arrays:
+                self.source[arrays["index"]] = arrays["source"]
             images.append(arrays)
         for shard, name in enumerate(self.manifest["caption_shards"]):
             arrays = {p.stem: np.load(p, mmap_mode="r") for p in (self.path / name).glob("*.npy")}
@@ -435,14 +441,15 @@ class CachedDataset(Dataset):
         arrays = self._images[shard]
         flipped = self.random_flip and flip_decision(self.seed, epoch, index)
         suffix = "_flip" if flipped else ""
-        caption_id = self.caption_ids[index]
+        source = int(self.source[index])
+        caption_id = self.caption_ids[source]
         text_shard, text_row = self._text_loc[caption_id]
         return {
             "latent_mean": _from_numpy(arrays["mean" + suffix][row], self.dtype),
             "latent_std": _from_numpy(arrays["std" + suffix][row], self.dtype),
             "encoder_hidden_states": _from_numpy(self._texts[text_shard]["hidden"][text_row], self.dtype),
             "index": index,
-            "caption": self.captions_list[index],
+            "caption": self.captions_list[source],
         }
 
 

@@ -208,7 +208,8 @@ class AugmentedDataset(Dataset):
         error = ""
         for step in range(n):
             candidate = (index + step) % n
-            if candidate in self._failed_indices:
+            if candidate in self._failed_indices:  # known bad: still reported on every use
+                error = error or self.describe_item(candidate)
                 continue
             try:
                 image = self.load_image(candidate)
@@ -605,7 +606,9 @@ class ResumableDistributedSampler(Sampler[SampleKey]):
 
     def __len__(self) -> int:
         """Samples this rank still yields in the current epoch (all of them at position 0)."""
-        return len(self._rank_indices())
+        remaining = self.total_size - min(self.consumed, self.total_size)
+        w = self.num_replicas
+        return remaining // w if self.drop_last else -(-remaining // w)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
