@@ -156,6 +156,8 @@ def test_cache_contents_reuse_and_invalidation(tmp_path: Path) -> None:
     again = build_cache(build_dataset(cfg, seed=2), vae, text_encoder, tokenizer, cfg, "cpu")
     assert again.stats.hit and again.stats.key == cached.stats.key and calls.total() == before
     assert torch.equal(again[SampleKey(3, 1)]["latent_mean"], cached[SampleKey(3, 1)]["latent_mean"])
+    vae.register_to_config(scaling_factor=0.5)  # applied after the cache: same entry
+    assert build_cache(ds, vae, text_encoder, tokenizer, cfg, "cpu").stats.key == cached.stats.key
 
     # A changed image: new key, encoded again.
     Image.fromarray(np.zeros((20, 24, 3), dtype=np.uint8)).save(data / "img01.png")

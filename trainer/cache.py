@@ -70,6 +70,10 @@ CACHE_DIR_ENV = "SDDOCTOR_CACHE_DIR"
 # Values sampled per tensor for the model fingerprint: enough to notice any retrained or
 # swapped weights, cheap for SD-size models (hundreds of tensors, one device-to-host copy).
 FINGERPRINT_SAMPLES = 256
+# VAE config entries applied to latents after encoding (by the trainer), not part of the key.
+LATENT_NORMALISATION_KEYS = frozenset(
+    {"scaling_factor", "shift_factor", "latents_mean", "latents_std", "force_upcast"}
+)
 
 
 def default_cache_root() -> Path:
@@ -99,9 +103,14 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     config = getattr(module, "config", None)
     if config is not None:
         as_dict = dict(config) if isinstance(config, dict) else getattr(config, "to_dict", lambda: {})()
-        # Private keys ("_use_default_values" is a set dumped in hash-seed order, "_name_or_path")
-        # and library versions do not change what the model computes.
-        as_dict = {k: v for k, v in as_dict.items() if not k.startswith("_") and not k.endswith("_version")}
+        # Private keys ("_use_default_values" is a set dumped in hash-seed order, "_name_or_path"),
+        # library versions and the latent normalisation the trainer applies after the cache do
+        # not change what encode() returns.
+        as_dict = {
+            k: v
+            for k, v in as_dict.items()
+            if not k.startswith("_") and not k.endswith("_version") and k not in LATENT_NORMALISATION_KEYS
+        }
         h.update(json.dumps(as_dict, sort_keys=True, default=str).encode())
     samples = []
     for name, tensor in module.state_dict().items():

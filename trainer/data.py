@@ -661,6 +661,14 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
+def batch_load_errors(batch: dict[str, Any]) -> list[str]:
+    """Files that failed to decode while this batch was loaded (their stand-ins were used).
+
+    Collect them into a set: a bad file is reported each time its index comes up.
+    """
+    return [error for error in batch.get("load_error", []) if error]
+
+
 @dataclass
 class _WorkerSeeder:
     """worker_init_fn: seeds each worker's global RNGs from (seed, rank, worker id).
@@ -728,6 +736,7 @@ __all__ = [
     "ResumableDistributedSampler",
     "SampleKey",
     "SkippedFile",
+    "batch_load_errors",
     "build_dataloader",
     "build_dataset",
     "collate",
