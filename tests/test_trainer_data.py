@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,13 @@ from trainer.data import (
     build_dataset,
     prompt_for_digit,
 )
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Keep the image verification memo out of the user's ~/.cache."""
+    monkeypatch.setenv("SDDOCTOR_CACHE_DIR", str(tmp_path / "cache-home"))
+    return tmp_path / "cache-home"
 
 
 def write_png(path: Path, size: tuple[int, int] = (20, 12), seed: int = 0) -> Path:
@@ -153,6 +161,34 @@ def test_corrupt_images_skipped_with_named_warning_and_counted(tmp_path: Path, c
     assert torch.equal(item["pixel_values"], ds[index]["pixel_values"])
     assert ds[index]["load_error"] == str(broken)  # still reported on every use
     assert str(broken) in [s.path for s in ds.skipped]
+
+
+def test_verification_is_remembered_until_a_file_changes(tmp_path: Path, cache_home: Path) -> None:
+    root = tmp_path / "memo"
+    for i in range(3):
+        write_png(root / f"{i}.png", seed=i)
+        (root / f"{i}.txt").write_text(f"image {i}")
+    (root / "bad.png").write_bytes(b"garbage")
+    (root / "bad.txt").write_text("bad")
+    cfg = DataConfig(source=str(root), resolution=8)
+    assert len(build_dataset(cfg)) == 3
+    assert len(list((cache_home / "verified").glob("*.json"))) == 1
+
+    # Fixed file (new size and mtime): verified again and used.
+    write_png(root / "bad.png", seed=7)
+    assert len(build_dataset(cfg)) == 4
+
+    # Unchanged size and mtime: the memo is trusted, so a file corrupted in place without either
+    # changing passes indexing; loading catches it and substitutes.
+    target = root / "1.png"
+    st = target.stat()
+    target.write_bytes(b"\0" * st.st_size)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ds = build_dataset(cfg)
+    assert len(ds) == 4 and ds.skipped == []
+    index = [r.path for r in ds.records].index(target)
+    assert ds[index]["load_error"] == str(target)
+    assert len(build_dataset(DataConfig(source=str(root), resolution=8, cache_dir=str(tmp_path / "x")))) == 3
 
 
 @pytest.mark.parametrize(

@@ -54,19 +54,21 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.data import (
+    CACHE_DIR_ENV,
     AugmentedDataset,
     DataConfig,
     DataError,
     SampleKey,
     SkippedFile,
+    cache_root,
     collate,
+    default_cache_root,
     flip_decision,
 )
 
 log = logging.getLogger("trainer.cache")
 
 CACHE_FORMAT = 1
-CACHE_DIR_ENV = "SDDOCTOR_CACHE_DIR"
 # Values sampled per tensor for the model fingerprint: enough to notice any retrained or
 # swapped weights, cheap for SD-size models (hundreds of tensors, one device-to-host copy).
 FINGERPRINT_SAMPLES = 256
@@ -74,19 +76,6 @@ FINGERPRINT_SAMPLES = 256
 LATENT_NORMALISATION_KEYS = frozenset(
     {"scaling_factor", "shift_factor", "latents_mean", "latents_std", "force_upcast"}
 )
-
-
-def default_cache_root() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "sddoctor" / "latents"
-
-
-def cache_root(cfg: DataConfig) -> Path:
-    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_root()
 
 
 # --------------------------------------------------------------------------------------------

@@ -61,6 +61,24 @@ DIGIT_CAPTION_TEMPLATES = (
 )
 
 
+CACHE_DIR_ENV = "SDDOCTOR_CACHE_DIR"
+
+
+def default_cache_root() -> Path:
+    """$SDDOCTOR_CACHE_DIR, else $XDG_CACHE_HOME/sddoctor/latents, else ~/.cache/sddoctor/latents."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "sddoctor" / "latents"
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """Folder holding latent caches (one sub-folder per key) and the image verification memo."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_root()
+
+
 class DataError(Exception):
     """Bad data input (missing or empty folder, malformed metadata). The message says the fix."""
 
@@ -355,7 +373,13 @@ def _is_image(path: Path) -> bool:
 def _walk(root: Path) -> list[Path]:
     """All files under root, sorted, skipping hidden files and folders."""
     found: list[Path] = []
+    seen: set[tuple[int, int]] = set()  # (device, inode) of folders walked: symlink loops end
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         found.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
     return sorted(found)
@@ -408,6 +432,47 @@ def _verify_image(path: Path) -> str | None:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return None
+
+
+def _verify_records(cfg: DataConfig, root: Path, records: list[Record]) -> list[str | None]:
+    """Verify each record's image, skipping files a previous run verified unchanged.
+
+    The memo (`<cache root>/verified/<hash of the folder>.json`) maps each path to its size,
+    mtime and verdict; an unwritable cache folder only costs the re-verification.
+    """
+    memo_path = (
+        cache_root(cfg)
+        / "verified"
+        / (hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24] + ".json")
+    )
+    try:
+        memo: dict[str, list] = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    stats = [(r.path.stat().st_size, r.path.stat().st_mtime_ns) for r in records]
+    problems: list[str | None] = [None] * len(records)
+    todo = []
+    for i, (record, (size, mtime)) in enumerate(zip(records, stats, strict=True)):
+        known = memo.get(str(record.path))
+        if isinstance(known, list) and len(known) == 3 and known[:2] == [size, mtime]:
+            problems[i] = known[2]
+        else:
+            todo.append(i)
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 2)) as pool:
+            for i, problem in zip(
+                todo, pool.map(_verify_image, (records[i].path for i in todo)), strict=True
+            ):
+                problems[i] = problem
+                memo[str(records[i].path)] = [*stats[i], problem]
+        try:
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(memo))
+            os.replace(tmp, memo_path)
+        except OSError as exc:
+            log.debug("could not save image verification memo %s: %s", memo_path, exc)
+    return problems
 
 
 def index_folder(cfg: DataConfig) -> tuple[list[Record], str, list[SkippedFile]]:
@@ -466,8 +531,7 @@ def index_folder(cfg: DataConfig) -> tuple[list[Record], str, list[SkippedFile]]
     if cfg.max_samples is not None:
         records = records[: cfg.max_samples]
     if cfg.verify_images and records:
-        with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 2)) as pool:
-            problems = list(pool.map(_verify_image, (r.path for r in records)))
+        problems = _verify_records(cfg, root, records)
         kept = []
         for record, problem in zip(records, problems, strict=True):
             if problem is None:
@@ -726,6 +790,7 @@ def build_dataloader(
 
 
 __all__ = [
+    "CACHE_DIR_ENV",
     "DIGIT_CAPTION_TEMPLATES",
     "DIGIT_WORDS",
     "AugmentedDataset",
@@ -739,7 +804,9 @@ __all__ = [
     "batch_load_errors",
     "build_dataloader",
     "build_dataset",
+    "cache_root",
     "collate",
+    "default_cache_root",
     "crop_offsets",
     "flip_decision",
     "index_folder",
