@@ -245,6 +245,19 @@ def test_sampler_replicas_disjoint_and_cover() -> None:
     assert _epoch_keys(samplers[0]) != [(i, 1) for i in range(0, 22, 2)]  # shuffled
 
 
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_sampler_matches_torch_distributed_sampler_order(drop_last: bool) -> None:
+    from torch.utils.data.distributed import DistributedSampler
+
+    for rank in range(3):
+        ours = ResumableDistributedSampler(25, 3, rank, seed=5, drop_last=drop_last)
+        theirs = DistributedSampler(range(25), 3, rank, seed=5, drop_last=drop_last)
+        for epoch in (0, 4):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert [k.index for k in ours] == list(theirs) and len(ours) == len(theirs)
+
+
 def test_sampler_resume_mid_epoch_is_exact() -> None:
     def run(stop_after: int | None) -> tuple[list[list[tuple[int, int]]], dict]:
         """Two ranks, 3 epochs of batches of 3; stop after `stop_after` batches if given."""

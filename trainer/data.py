@@ -643,15 +643,14 @@ class ResumableDistributedSampler(Sampler[SampleKey]):
         """Samples this rank consumed in the current epoch."""
         return self.consumed // self.num_replicas
 
-    def _order(self) -> list[int]:
+    def _order(self) -> torch.Tensor:
+        """The epoch's global order of all items (same on every rank)."""
         n = self.dataset_len
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            perm = torch.randperm(n, generator=g).tolist()
-        else:
-            perm = list(range(n))
-        return perm
+        if not self.shuffle:
+            return torch.arange(n)
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g)
 
     def _rank_indices(self) -> list[int]:
         perm = self._order()
@@ -661,8 +660,9 @@ class ResumableDistributedSampler(Sampler[SampleKey]):
         remaining = total - start
         # Only after a world-size change can the remainder be uneven; wrap or trim it.
         end = start + (remaining // w * w if self.drop_last else -(-remaining // w) * w)
-        order = [perm[i % n] for i in range(start, end)]
-        return order[self.rank :: w]
+        if end > n:  # drop_last=False pads by wrapping around to the start of the order
+            perm = perm.repeat(-(-end // n))
+        return perm[start:end][self.rank :: w].tolist()
 
     def __iter__(self) -> Iterator[SampleKey]:
         epoch = self.epoch
