@@ -19,7 +19,7 @@ from PIL import Image
 from test_trainer_data import write_truncated_jpeg
 
 from conftest import free_port, subprocess_env
-from trainer.cache import build_cache, sample_latents
+from trainer.cache import build_cache, module_fingerprint, sample_latents
 from trainer.data import DataConfig, SampleKey, build_dataloader, build_dataset, flip_decision
 
 RESOLUTION = 16  # the tiny VAE halves it: latents are 4 x 8 x 8
@@ -103,6 +103,18 @@ def encode_directly(vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.T
     with torch.no_grad():
         dist = vae.encode(pixels[None]).latent_dist
     return dist.mean[0], dist.std[0]
+
+
+def test_module_fingerprint_samples_large_tensors_to_their_last_element() -> None:
+    module = torch.nn.Linear(1, 1)
+    module.big = torch.nn.Parameter(
+        torch.zeros(2**24 + 3), requires_grad=False
+    )  # float32 linspace overshoots
+    before = module_fingerprint(module)
+    assert module_fingerprint(module) == before
+    with torch.no_grad():
+        module.big[-1] = 1.0
+    assert module_fingerprint(module) != before
 
 
 def test_cache_contents_reuse_and_invalidation(tmp_path: Path) -> None:

@@ -108,7 +108,9 @@ def module_fingerprint(module: torch.nn.Module) -> str:
         if flat.numel() == 0:
             continue
         count = min(flat.numel(), FINGERPRINT_SAMPLES)
-        positions = torch.linspace(0, flat.numel() - 1, count, device=flat.device).long()
+        # Integer arithmetic: a float32 linspace rounds the last position past the end of
+        # tensors with more than 2**24 elements.
+        positions = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
         samples.append(flat[positions].float())
     if samples:
         h.update(torch.cat(samples).cpu().numpy().tobytes())
