@@ -401,7 +401,10 @@ def to_toml(cfg: Config) -> str:
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if value is None:  # TOML has no null: leave the key out (it keeps its default, unset)
+                lines.append(f"# {key} = (unset)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -413,6 +416,4 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if value is None:
-        return '""'
     return json.dumps(str(value))

@@ -131,7 +131,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _quiet_libraries()
     try:
         cfg = config_from_args(args)
     except ConfigError as exc:
@@ -140,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_toml(cfg))
         return EXIT_OK
+    _quiet_libraries()
     return Trainer(cfg).run()
 
 
@@ -554,6 +554,7 @@ class Trainer:
                 data_iter = None
                 continue
             batch = objective.prepare(raw)
+            lr = lr_scheduler.get_last_lr()[0]  # the rate this step uses
             result = run_step(
                 ddp_model,
                 batch,
@@ -578,7 +579,7 @@ class Trainer:
                 grad_accum=result.grad_accum,
                 mem_alloc=mem_alloc,
                 mem_peak=mem_peak,
-                lr=lr_scheduler.get_last_lr()[0],
+                lr=lr,
                 images_per_s=images_per_step / step_time if step_time > 0 else None,
             )
 
@@ -593,7 +594,7 @@ class Trainer:
                 signalled = int(flag.item())
                 first_loss = mean_loss if first_loss is None else first_loss
                 if d.rank == 0:
-                    progress.show(step, mean_loss, images_per_step, lr_scheduler.get_last_lr()[0])
+                    progress.show(step, mean_loss, images_per_step, lr)
                 loss_window.zero_()
                 window_steps = 0
                 if signalled:
