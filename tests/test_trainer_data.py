@@ -61,7 +61,10 @@ def imagefolder(tmp_path: Path) -> Path:
         write_png(root / f"img{i}.png", seed=i)
     write_jsonl(root / "metadata.jsonl", [{"file_name": f"img{i}.png", "text": f"top {i}"} for i in range(3)])
     write_png(root / "sub" / "deep" / "a.png", size=(9, 30), seed=9)
-    write_jsonl(root / "sub" / "metadata.jsonl", [{"file_name": "deep/a.png", "text": ["nested", "alt"]}])
+    # Saved with a byte-order mark, as some Windows editors do.
+    (root / "sub" / "metadata.jsonl").write_text(
+        json.dumps({"file_name": "deep/a.png", "text": ["nested", "alt"]}) + "\n", encoding="utf-8-sig"
+    )
     return root
 
 

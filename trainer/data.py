@@ -388,7 +388,7 @@ def _walk(root: Path) -> list[Path]:
 def _read_metadata(path: Path, image_column: str, caption_column: str) -> list[Record]:
     rows: list[tuple[int, dict[str, Any]]] = []
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -404,7 +404,7 @@ def _read_metadata(path: Path, image_column: str, caption_column: str) -> list[R
                     )
                 rows.append((lineno, row))
     else:
-        with path.open(encoding="utf-8", newline="") as f:
+        with path.open(encoding="utf-8-sig", newline="") as f:
             rows = [(lineno, row) for lineno, row in enumerate(csv.DictReader(f), 2)]
     records = []
     for lineno, row in rows:
@@ -519,7 +519,7 @@ def index_folder(cfg: DataConfig) -> tuple[list[Record], str, list[SkippedFile]]
         for image in images:
             txt = image.with_suffix(".txt")
             if txt.is_file():
-                records.append(Record(image, txt.read_text(encoding="utf-8", errors="replace").strip()))
+                records.append(Record(image, txt.read_text(encoding="utf-8-sig", errors="replace").strip()))
             else:
                 skipped.append(SkippedFile(str(image), f"no caption file {txt.name}"))
         if not records:
