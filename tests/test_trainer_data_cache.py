@@ -20,7 +20,7 @@ from test_trainer_data import write_truncated_jpeg
 
 from conftest import free_port, subprocess_env
 from trainer.cache import build_cache, module_fingerprint, sample_latents
-from trainer.data import DataConfig, SampleKey, build_dataloader, build_dataset, flip_decision
+from trainer.data import DataConfig, DataError, SampleKey, build_dataloader, build_dataset, flip_decision
 
 RESOLUTION = 16  # the tiny VAE halves it: latents are 4 x 8 x 8
 MAX_TOKENS = 12
@@ -115,6 +115,14 @@ def test_module_fingerprint_samples_large_tensors_to_their_last_element() -> Non
     with torch.no_grad():
         module.big[-1] = 1.0
     assert module_fingerprint(module) != before
+
+
+def test_unwritable_cache_folder_is_a_data_error(tmp_path: Path) -> None:
+    tokenizer, vae, text_encoder = tiny_models(tmp_path / "tok")
+    (tmp_path / "blocked").write_text("a file where the cache folder should be")
+    cfg = DataConfig(resolution=RESOLUTION, max_samples=4, cache_dir=str(tmp_path / "blocked" / "cache"))
+    with pytest.raises(DataError, match="cannot write the latent cache .*data.cache_dir"):
+        build_cache(build_dataset(cfg), vae, text_encoder, tokenizer, cfg, "cpu")
 
 
 def test_cache_contents_reuse_and_invalidation(tmp_path: Path) -> None:

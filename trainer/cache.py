@@ -465,6 +465,18 @@ def sample_latents(
 # Building
 
 
+def _write_problem(entry: Path) -> str:
+    """Why shards cannot be written under `entry` ("" when they can)."""
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        probe = entry / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
 def _complete(entry: Path) -> bool:
     manifest = entry / "manifest.json"
     if not manifest.is_file():
@@ -501,14 +513,24 @@ def build_cache(
     key, parts = cache_key(dataset, vae, text_encoder, tokenizer, dtype)
     entry = cache_root(cfg) / key
     hit_here = _complete(entry)
-    # Every rank must take the same branch (the miss path has barriers); the key check catches
-    # ranks that see different data or weights, which would otherwise mix incompatible shards.
+    write_problem = "" if hit_here else _write_problem(entry)
+    # Every rank must take the same branch (the miss path has barriers), so hit, writability and
+    # the key are agreed on first. The key check catches ranks that see different data or
+    # weights, which would otherwise mix incompatible shards.
     key_int = int(key[:15], 16)
-    hit_all, key_min, neg_key_max = _all_reduce_min([int(hit_here), key_int, -key_int], device)
+    hit_all, key_min, neg_key_max, writable_all = _all_reduce_min(
+        [int(hit_here), key_int, -key_int, int(not write_problem)], device
+    )
     if key_min != -neg_key_max:
         raise DataError(
             "ranks disagree on the data or model fingerprint (different files, captions or weights on "
             "different nodes); give every rank the same data folder and model"
+        )
+    if not hit_all and not writable_all:
+        where = f"{entry.parent}: {write_problem}" if write_problem else f"{entry.parent} on another rank"
+        raise DataError(
+            f"cannot write the latent cache at {where}; set data.cache_dir (or {CACHE_DIR_ENV}) to a "
+            "writable folder, or turn the cache off with --set data.cache=false"
         )
     captions = sorted(set(dataset.captions()))
     stats = CacheStats(key=key, path=str(entry), hit=bool(hit_all))
