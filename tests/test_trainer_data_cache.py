@@ -211,6 +211,45 @@ def test_cache_contents_reuse_and_invalidation(tmp_path: Path) -> None:
     assert len(entries) == 4 and not any(p.name.startswith(".") for p in (tmp_path / "cache").rglob("*"))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cache_on_cuda_in_bfloat16_agrees_with_cpu(tmp_path: Path) -> None:
+    import copy
+
+    tokenizer, vae, text_encoder = tiny_models(tmp_path / "tok")
+    data = write_folder(tmp_path / "data", 6)
+    cfg = DataConfig(
+        source=str(data),
+        resolution=RESOLUTION,
+        random_flip=True,
+        cache_dir=str(tmp_path / "cache"),
+        num_workers=2,
+    )
+    ds = build_dataset(cfg)
+    on_cpu = build_cache(ds, vae, text_encoder, tokenizer, cfg, "cpu")
+    device = torch.device("cuda")
+    vae_gpu, text_gpu = copy.deepcopy(vae).to(device), copy.deepcopy(text_encoder).to(device)
+    on_gpu = build_cache(ds, vae_gpu, text_gpu, tokenizer, cfg, device, dtype=torch.bfloat16)
+    assert not on_gpu.stats.hit and on_gpu.stats.key != on_cpu.stats.key  # dtype is in the key
+    cpu_parts = json.loads((Path(on_cpu.stats.path) / "manifest.json").read_text())["parts"]
+    gpu_parts = json.loads((Path(on_gpu.stats.path) / "manifest.json").read_text())["parts"]
+    assert {k: v for k, v in gpu_parts.items() if k != "dtype"} == {
+        k: v for k, v in cpu_parts.items() if k != "dtype"
+    }
+    for index in range(6):
+        a, b = on_gpu[SampleKey(index, 1)], on_cpu[SampleKey(index, 1)]
+        assert a["latent_mean"].dtype == torch.bfloat16
+        assert torch.allclose(a["latent_mean"].float(), b["latent_mean"], atol=0.05, rtol=0.05)
+        assert torch.allclose(
+            a["encoder_hidden_states"].float(), b["encoder_hidden_states"], atol=0.05, rtol=0.05
+        )
+    again = build_cache(ds, vae_gpu, text_gpu, tokenizer, cfg, device, dtype=torch.bfloat16)
+    assert again.stats.hit
+    loader = build_dataloader(again, None, batch_size=3, num_workers=2, pin_memory=True)
+    batch = next(iter(loader))
+    assert batch["latent_mean"].is_pinned() and batch["latent_mean"].shape == (3, 4, 8, 8)
+
+
 def _rank_main(rank: int, world_size: int, port: int, root: Path) -> None:
     """One rank of the sharded-cache test: build (miss), build again (hit), change data, build (miss)."""
     import torch.distributed as dist
