@@ -13,7 +13,8 @@ The trainer samples `latents = (mean + std * noise) * vae.config.scaling_factor`
 whatever scaling factor a model declares.
 
 Where: `<cache root>/<key>/` with the root `DataConfig.cache_dir`, else `$SDDOCTOR_CACHE_DIR`,
-else `~/.cache/sddoctor/latents`. The key hashes the data (file list with sizes, mtimes and
+else `~/.cache/sddoctor/latents` (the root also holds `verified/`, trainer/data.py's memo of
+image checks). The key hashes the data (file list with sizes, mtimes and
 captions, or the digits arrays; resolution, crop, flip), the VAE, text encoder and tokenizer
 (class, config, parameter names, shapes, dtypes and a strided sample of every tensor's values;
 vocabulary) and the storage dtype. Any change gives a new key, so stale entries are never read;
@@ -23,6 +24,7 @@ Layout of one entry, written once and never modified:
 
     manifest.json                       written last: its presence marks a complete cache
     images-00001-of-00004/index.npy     item indices of rank 1's share
+                         source.npy     item whose image was encoded (differs if one failed)
                          mean.npy std.npy [mean_flip.npy std_flip.npy]
                          errors.json    images that failed to decode (substituted)
     captions-00001-of-00004/ids.npy hidden.npy
