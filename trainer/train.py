@@ -311,6 +311,16 @@ class Trainer:
             dtype = torch.float32
         start_time = time.time()
 
+        # Bad input (data folder, --resume target) fails here, before any model is built.
+        ckpt_root = self.out_dir / "checkpoints"
+        resume_path = resolve_resume(cfg.checkpoint.resume, ckpt_root)
+        dataset = build_dataset(cfg.data, seed=cfg.train.seed, verbose=d.rank == 0)
+        if dataset.skipped:
+            sdi.event(
+                EventKind.WARNING, code="skipped_images", message=f"{len(dataset.skipped)} images skipped"
+            )
+        self.log(f"data {cfg.data.source}: {len(dataset)} images at {cfg.data.resolution} px")
+
         # Model init must be identical on every rank (the frozen parts are never broadcast).
         torch.manual_seed(cfg.train.seed)
         models = build_models(cfg.model.preset, cfg.model.path, cfg.model.prediction_type)
@@ -328,9 +338,6 @@ class Trainer:
         if cfg.model.channels_last:
             unet.to(memory_format=torch.channels_last)
 
-        # Resume: read the checkpoint now, since a fitted VAE in it decides the latents.
-        ckpt_root = self.out_dir / "checkpoints"
-        resume_path = resolve_resume(cfg.checkpoint.resume, ckpt_root)
         shared: dict[str, Any] | None = None
         rank_state: dict[str, Any] | None = None
         if cfg.checkpoint.resume == "latest" and resume_path is None:
@@ -361,13 +368,6 @@ class Trainer:
                 static_graph=cfg.ddp.static_graph,
             )
 
-        # Data.
-        dataset = build_dataset(cfg.data, seed=cfg.train.seed, verbose=d.rank == 0)
-        if dataset.skipped:
-            sdi.event(
-                EventKind.WARNING, code="skipped_images", message=f"{len(dataset.skipped)} images skipped"
-            )
-        self.log(f"data {cfg.data.source}: {len(dataset)} images at {cfg.data.resolution} px")
         fitted_vae = models.from_scratch and cfg.model.vae_warmup_steps > 0
         if fitted_vae and shared is None:
             fit_vae(
@@ -635,11 +635,17 @@ class Trainer:
 
 
 def params_digest(module: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order."""
-    h = hashlib.sha256()
+    """sha256 over per-tensor float64 sums and position-weighted sums, computed on the device.
+
+    Two ranks whose weights differ anywhere get different digests (short of a crafted
+    coincidence); only 2 numbers per tensor leave the GPU, so it costs milliseconds for SD.
+    """
+    sums = []
     for p in module.parameters():
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+        flat = p.detach().reshape(-1).double()
+        ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+        sums.append(torch.stack([flat.sum(), (flat * ramp).sum()]))
+    return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()
 
 
 def _barrier() -> None:
