@@ -62,6 +62,11 @@ def test_unknown_key_lists_valid_ones():
     assert "train.max_steps" in str(info.value) and "train.micro_batch" in str(info.value)
 
 
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.toml does not exist"):
+        build_config(config_file=str(tmp_path / "nope.toml"))
+
+
 def test_mistyped_toml_value(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('[train]\nmax_steps = "many"\n')
