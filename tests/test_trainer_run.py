@@ -1,0 +1,163 @@
+"""Real 2-rank CPU runs of the trainer (torchrun, gloo) on a small tiny-preset config.
+
+One reference run is checked for a falling loss, identical weights on both ranks, telemetry,
+and an export that StableDiffusionPipeline loads and samples from. A second run is stopped
+with SIGTERM, saves a checkpoint, and is resumed: its per-step losses must equal the
+reference's exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, subprocess_env
+from sddoctor.telemetry.reader import read_events
+from trainer.checkpoint import list_checkpoints, save_checkpoint
+
+MAX_STEPS = 20
+
+SMALL = [
+    "--set",
+    "model.vae_warmup_steps=10",
+    "data.max_samples=128",
+    f"train.max_steps={MAX_STEPS}",
+    "train.micro_batch=8",
+    "train.grad_accum=2",
+    "train.log_every=5",
+    "train.ema_decay=0.9",
+    "optim.warmup_steps=5",
+    "sample.prompts=a handwritten digit one;a handwritten digit seven",
+    "sample.images_per_prompt=2",
+    "sample.steps=3",
+]
+
+
+def launch(out: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "trainer", "--output-dir", str(out), *SMALL, f"data.cache_dir={cache}", *extra]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"trainer did not finish in {timeout}s:\n{output[-3000:]}")
+    return proc.returncode, output
+
+
+def step_losses(out: Path, rank: int) -> dict[int, float]:
+    """step -> loss; a step recorded twice (before a stop and again after resuming) keeps the last."""
+    events = read_events(out / "ranks" / f"rank-{rank:05d}.jsonl", kinds={"step"})
+    return {e["step"]: e["loss"] for e in events}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("latent-cache")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    code, output = finish(launch(out, cache))
+    assert code == 0, output[-4000:]
+    return out
+
+
+def test_loss_falls_and_ranks_stay_identical(reference):
+    for rank in (0, 1):
+        losses = step_losses(reference, rank)
+        assert sorted(losses) == list(range(1, MAX_STEPS + 1))
+        first = sum(losses[s] for s in range(1, 5)) / 4
+        last = sum(losses[s] for s in range(MAX_STEPS - 3, MAX_STEPS + 1)) / 4
+        assert last < 0.8 * first, (first, last)
+    digests = [read_events(reference / "ranks" / f"rank-{r:05d}.jsonl", kinds={"replicas"}) for r in (0, 1)]
+    assert digests[0][-1]["params_sha256"] == digests[1][-1]["params_sha256"]
+    warnings = read_events(reference / "ranks" / "rank-00000.jsonl", kinds={"warning"})
+    assert not [w for w in warnings if w.get("code") == "replicas_differ"]
+
+
+def test_telemetry_and_outputs(reference):
+    run = json.loads((reference / "run.json").read_text())
+    assert run["world_size"] == 2 and run["backend"] == "gloo"
+    events = read_events(reference / "ranks" / "rank-00001.jsonl")
+    start, last_step, exit_ = events[0], [e for e in events if e["kind"] == "step"][-1], events[-1]
+    assert start["kind"] == "start" and start["backend"] == "gloo" and start["world_size"] == 2
+    assert last_step["micro_batch"] == 8 and last_step["grad_accum"] == 2 and last_step["samples"] == 16
+    assert last_step["step_time"] > 0 and last_step["lr"] > 0
+    assert exit_["kind"] == "exit" and exit_["status"] == "ok" and exit_["code"] == 0
+    assert (reference / "samples" / f"step-{MAX_STEPS:08d}.png").is_file()
+    assert [s for s, _ in list_checkpoints(reference / "checkpoints")] == [MAX_STEPS]
+
+
+def test_export_loads_in_diffusers_and_samples(reference):
+    import numpy as np
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(reference / "export")
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(
+        "a handwritten digit one", num_inference_steps=2, height=32, width=32, output_type="np"
+    ).images
+    assert image.shape == (1, 32, 32, 3)
+    assert np.isfinite(image).all() and image.std() > 0
+
+
+def test_sigterm_checkpoints_and_resume_repeats_the_losses(reference, cache, tmp_path):
+    out = tmp_path / "stopped"
+    proc = launch(out, cache)
+    events_file = out / "ranks" / "rank-00000.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if events_file.exists() and max(step_losses(out, 0) or {0: 0}) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "run ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
+    code, output = finish(proc)
+    saved = list_checkpoints(out / "checkpoints")
+    assert len(saved) == 1, output[-4000:]
+    stopped_at = saved[0][0]
+    assert 0 < stopped_at < MAX_STEPS and stopped_at % 5 == 0, output[-3000:]
+    ckpt_events = read_events(events_file, kinds={"checkpoint"})
+    assert ckpt_events[-1]["reason"] == "signal SIGTERM" and ckpt_events[-1]["step"] == stopped_at
+
+    code, output = finish(launch(out, cache, "--resume", "latest"))
+    assert code == 0, output[-4000:]
+    assert f"resumed from {saved[0][1]} at step {stopped_at}" in output
+    for rank in (0, 1):
+        assert step_losses(out, rank) == step_losses(reference, rank)
+
+
+def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path):
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 5, lambda: {"w": 1}, {"rng": 0}, 0, 1, lambda: None)
+
+    def dies_while_writing() -> dict:
+        raise KeyboardInterrupt  # stands in for a kill in the middle of torch.save
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, 10, dies_while_writing, {"rng": 0}, 0, 1, lambda: None)
+    assert [s for s, _ in list_checkpoints(root)] == [5]
+    assert (root / ".tmp-step-00000010").is_dir()  # the partial one is never taken for a checkpoint
+    save_checkpoint(root, 10, lambda: {"w": 2}, {"rng": 0}, 0, 1, lambda: None, keep=1)
+    assert [s for s, _ in list_checkpoints(root)] == [10]

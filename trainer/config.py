@@ -1,0 +1,419 @@
+"""The trainer's configuration: a typed dataclass tree and the layers that fill it.
+
+Resolution order, later wins:
+
+    dataclass defaults  <-  preset (`--preset` / model.preset)  <-  `--config run.toml`  <-  `--set a.b=v`
+
+Every key is checked against the tree: an unknown key or a value of the wrong type raises
+`ConfigError` naming the key and the valid ones; the command line turns that into exit code 2.
+`--config` needs Python 3.11+ (tomllib) or the `tomli` package on 3.10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.data import DataConfig
+
+
+class ConfigError(ValueError):
+    """Bad user configuration (unknown key, wrong type, unreadable file). Exit code 2."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """tiny | sd15 | sd2-base: architecture built with random weights."""
+    path: str = ""
+    """A local diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/); overrides the preset's weights."""
+    vae_warmup_steps: int = 0
+    """Steps of VAE reconstruction training before the UNet trains (only for a VAE built from scratch)."""
+    vae_warmup_batch: int = 16
+    """Images per rank per VAE fitting step."""
+    vae_warmup_lr: float = 2e-3
+    vae_kl_weight: float = 1e-6
+    prediction_type: str = ""
+    """epsilon | v_prediction; empty keeps the noise scheduler's own setting."""
+    gradient_checkpointing: bool = False
+    channels_last: bool = True
+    compile: bool = False
+    """torch.compile the UNet (first steps are slow while it compiles)."""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    max_steps: int = 200
+    """Optimizer steps."""
+    micro_batch: int = 16
+    """Images per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; global batch = micro_batch x grad_accum x world size."""
+    mixed_precision: str = "auto"
+    """auto (bf16 on CUDA with bf16 support, else fp32) | bf16 | fp16 | fp32."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping; 0 turns it off."""
+    ema_decay: float = 0.0
+    """EMA of the UNet weights (e.g. 0.999); 0 turns it off."""
+    min_snr_gamma: float = 0.0
+    """Min-SNR loss weighting (5.0 is the paper's value); 0 turns it off."""
+    noise_offset: float = 0.0
+    caption_dropout: float = 0.1
+    """Probability of training on the empty caption, which classifier-free guidance needs."""
+    log_every: int = 10
+    """Steps between loss read-backs (one host sync each) and progress lines."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-2
+    eps: float = 1e-8
+    fused: str = "auto"
+    """auto (fused AdamW on CUDA) | true | false."""
+    schedule: str = "cosine"
+    """cosine | constant (both after linear warmup)."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of lr."""
+
+
+@dataclass
+class DDPConfig:
+    backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU) | nccl | gloo."""
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    """Off for SD's UNet: every parameter gets a gradient, and the search costs a graph traversal per step."""
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    timeout_s: int = 1800
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Steps between checkpoints; 0 saves only at the end and on SIGTERM/SIGINT."""
+    keep: int = 2
+    """Checkpoints kept (oldest deleted first); 0 keeps all."""
+    resume: str = ""
+    """'' | latest | PATH of a checkpoint folder."""
+    on_signal: bool = True
+    at_end: bool = True
+
+
+@dataclass
+class SampleConfig:
+    every: int = 0
+    """Steps between sample grids; 0 samples only at the end (if prompts are set)."""
+    at_end: bool = True
+    prompts: list[str] = field(default_factory=list)
+    images_per_prompt: int = 4
+    steps: int = 25
+    guidance_scale: float = 4.0
+    seed: int = 1234
+
+
+@dataclass
+class OutputConfig:
+    name: str = ""
+    """Run name; the output dir is ./runs/<name>/ (default name: the preset)."""
+    dir: str = ""
+    """Output dir; default: $SDDOCTOR_RUN_DIR when set, else ./runs/<name>/."""
+    export: bool = True
+    """Write a diffusers folder (export/) at the end."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+DIGIT_PROMPTS = [
+    f"a handwritten digit {w}" for w in "zero one two three four five six seven eight nine".split()
+]
+
+#: What each preset changes on top of the dataclass defaults (dotted keys, like --set).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model.vae_warmup_steps": 200,
+        "data.resolution": 32,
+        "data.random_flip": False,
+        "train.max_steps": 300,
+        "train.micro_batch": 32,
+        "train.log_every": 20,
+        "train.mixed_precision": "auto",
+        "data.cache": True,
+        "data.num_workers": 0,
+        "optim.lr": 2e-3,
+        "optim.warmup_steps": 20,
+        "optim.weight_decay": 0.0,
+        "sample.prompts": DIGIT_PROMPTS,
+        "sample.images_per_prompt": 4,
+        "sample.steps": 20,
+        "sample.guidance_scale": 3.0,
+    },
+    "sd15": {
+        "data.resolution": 512,
+        "train.micro_batch": 4,
+        "train.mixed_precision": "auto",
+        "train.ema_decay": 0.9999,
+        "optim.lr": 1e-5,
+        "optim.warmup_steps": 100,
+        "sample.prompts": ["a photo of an astronaut riding a horse"],
+    },
+    "sd2-base": {
+        "data.resolution": 512,
+        "train.micro_batch": 4,
+        "train.mixed_precision": "auto",
+        "train.ema_decay": 0.9999,
+        "optim.lr": 1e-5,
+        "optim.warmup_steps": 100,
+        "sample.prompts": ["a photo of an astronaut riding a horse"],
+    },
+}
+
+
+# -- building ------------------------------------------------------------------------------
+
+
+def build_config(
+    preset: str | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+) -> Config:
+    """Resolve defaults <- preset <- TOML file <- `key=value` overrides into a Config."""
+    file_values: dict[str, Any] = {}
+    if config_file:
+        file_values = flatten(load_toml(config_file), source=config_file)
+    set_values = dict(parse_override(o) for o in overrides or [])
+    # The preset decides the defaults everything else refines, so find it first.
+    chosen = set_values.get("model.preset") or preset or file_values.get("model.preset") or "tiny"
+    if chosen not in PRESETS:
+        raise ConfigError(f"unknown preset {chosen!r}; valid presets: {', '.join(PRESETS)}")
+    cfg = Config()
+    for key, value in PRESETS[chosen].items():
+        set_key(cfg, key, value, source=f"preset {chosen}")
+    for key, value in file_values.items():
+        set_key(cfg, key, value, source=config_file)
+    for key, raw in set_values.items():
+        set_key(cfg, key, raw, source="--set", from_text=True)
+    cfg.model.preset = chosen
+    validate(cfg)
+    return cfg
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError(
+                "--config needs Python 3.11+ (tomllib) or `pip install tomli` on Python 3.10; "
+                "or pass the values with --set key=value"
+            ) from None
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def flatten(tree: dict[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1}} -> {"train.lr": 1}; tables become dots, values stay as parsed."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, source, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key.sub=value, got {text!r} (e.g. --set train.max_steps=100)")
+    return key.strip(), value.strip()
+
+
+def set_key(cfg: Config, key: str, value: Any, source: str | None, from_text: bool = False) -> None:
+    """Assign `value` to the dotted `key` of `cfg`, converting/checking it against the field's type."""
+    parts = key.split(".")
+    node: Any = cfg
+    for depth, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(node)]
+        where = ".".join(parts[:depth]) or "the top level"
+        if part not in names:
+            prefix = ".".join(parts[:depth])
+            valid = ", ".join(f"{prefix}.{n}" if prefix else n for n in names)
+            raise ConfigError(f"unknown config key {key!r} (from {source}); valid keys at {where}: {valid}")
+        hint = typing.get_type_hints(type(node))[part]
+        if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(hint):
+                raise ConfigError(f"config key {key!r} (from {source}) is a section; set one of its keys")
+            try:
+                converted = convert(value, hint, from_text)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"config key {key!r} (from {source}) expects {type_name(hint)}, got {value!r}: {exc}"
+                ) from None
+            setattr(node, part, converted)
+            return
+        node = getattr(node, part)
+        if not dataclasses.is_dataclass(node):
+            raise ConfigError(
+                f"config key {key!r} (from {source}): {'.'.join(parts[: depth + 1])} is not a section"
+            )
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def convert(value: Any, hint: Any, from_text: bool) -> Any:
+    """Convert a TOML value or a --set string to the type `hint`; TypeError/ValueError when it cannot."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (from_text and str(value).lower() in ("none", "null", "")):
+            return None
+        return convert(value, options[0], from_text)
+    if origin in (list, tuple):
+        if from_text:
+            text = str(value)
+            if text.startswith("["):
+                value = json.loads(text)
+            elif origin is list:
+                value = [p.strip() for p in text.split(";")] if text else []
+            else:
+                value = [p.strip() for p in text.split(",")]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError("expected a list")
+        args = typing.get_args(hint)
+        if origin is tuple:
+            if len(value) != len(args):
+                raise ValueError(f"expected {len(args)} values")
+            return tuple(convert(v, a, from_text) for v, a in zip(value, args, strict=True))
+        return [convert(v, args[0], from_text) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise TypeError("expected true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise TypeError("expected an integer")
+        if isinstance(value, int):
+            return value
+        if from_text:
+            return int(str(value))
+        raise TypeError("expected an integer")
+    if hint is float:
+        if isinstance(value, bool):
+            raise TypeError("expected a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_text:
+            return float(str(value))
+        raise TypeError("expected a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        if from_text:
+            return str(value)
+        raise TypeError("expected a string")
+    raise TypeError(f"unsupported type {hint}")
+
+
+def type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        inner = ", ".join(type_name(a) for a in typing.get_args(hint))
+        return f"{origin.__name__}[{inner}]"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+_CHOICES = {
+    "train.mixed_precision": ("auto", "bf16", "fp16", "fp32"),
+    "optim.fused": ("auto", "true", "false"),
+    "optim.schedule": ("cosine", "constant"),
+    "ddp.backend": ("auto", "nccl", "gloo"),
+    "model.prediction_type": ("", "epsilon", "v_prediction"),
+}
+
+_POSITIVE = ("train.max_steps", "train.micro_batch", "train.grad_accum", "train.log_every", "sample.steps")
+
+
+def validate(cfg: Config) -> None:
+    """Checks across values that types alone cannot express."""
+    for key, choices in _CHOICES.items():
+        value = get_key(cfg, key)
+        if value not in choices:
+            raise ConfigError(
+                f"config key {key!r} is {value!r}; valid values: {', '.join(map(repr, choices))}"
+            )
+    for key in _POSITIVE:
+        if get_key(cfg, key) < 1:
+            raise ConfigError(f"config key {key!r} must be at least 1, got {get_key(cfg, key)}")
+    if not 0.0 <= cfg.train.caption_dropout < 1.0:
+        raise ConfigError("config key 'train.caption_dropout' must be in [0, 1)")
+    if not 0.0 <= cfg.train.ema_decay < 1.0:
+        raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
+
+
+def get_key(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (what --print-config shows; loadable with --config)."""
+    lines: list[str] = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:  # TOML has no null: leave the key out (it keeps its default, unset)
+                lines.append(f"# {key} = (unset)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))

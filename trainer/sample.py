@@ -1,0 +1,107 @@
+"""Sample grids: fixed prompts, one row per prompt, saved as a PNG in the run directory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from trainer.models import Models
+from trainer.optim import EMA
+
+
+def build_pipeline(models: Models, unet: torch.nn.Module) -> Any:
+    """A StableDiffusionPipeline over the training modules (no copy), with a DDIM sampler."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    return StableDiffusionPipeline(
+        vae=models.vae,
+        text_encoder=models.text_encoder,
+        tokenizer=models.tokenizer,
+        unet=unet,
+        scheduler=DDIMScheduler.from_config(models.noise_scheduler.config),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+@contextlib.contextmanager
+def ema_weights(unet: torch.nn.Module, ema: EMA | None) -> Iterator[None]:
+    """Temporarily load the EMA weights into `unet` (no-op without EMA)."""
+    if ema is None:
+        yield
+        return
+    backup = [p.detach().clone() for p in ema.params]
+    ema.copy_to(unet)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, b in zip(ema.params, backup, strict=True):
+                p.copy_(b)
+
+
+@torch.no_grad()
+def sample_grid(
+    models: Models,
+    unet: torch.nn.Module,
+    prompts: list[str],
+    images_per_prompt: int,
+    steps: int,
+    guidance_scale: float,
+    resolution: int,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Image.Image:
+    """Generate `images_per_prompt` images for each prompt; rows = prompts."""
+    pipe = build_pipeline(models, unet)
+    pipe.set_progress_bar_config(disable=True)
+    was_training = unet.training
+    unet.eval()
+    rows = []
+    try:
+        for index, prompt in enumerate(prompts):
+            generator = torch.Generator(device=device).manual_seed(seed + index)
+            autocast = (
+                torch.autocast(device.type, dtype=dtype)
+                if dtype in (torch.float16, torch.bfloat16)
+                else contextlib.nullcontext()
+            )
+            with autocast:
+                out = pipe(
+                    [prompt] * images_per_prompt,
+                    num_inference_steps=steps,
+                    guidance_scale=guidance_scale,
+                    height=resolution,
+                    width=resolution,
+                    generator=generator,
+                    output_type="pil",
+                )
+            rows.append(out.images)
+    finally:
+        unet.train(was_training)
+    return make_grid(rows)
+
+
+def make_grid(rows: list[list[Image.Image]], pad: int = 2) -> Image.Image:
+    width, height = rows[0][0].size
+    columns = max(len(r) for r in rows)
+    grid = Image.new("RGB", (columns * (width + pad) + pad, len(rows) * (height + pad) + pad), "white")
+    for y, row in enumerate(rows):
+        for x, image in enumerate(row):
+            grid.paste(image, (pad + x * (width + pad), pad + y * (height + pad)))
+    return grid
+
+
+def save_grid(grid: Image.Image, out_dir: Path, step: int) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"step-{step:08d}.png"
+    grid.save(path)
+    (out_dir / "latest.png").write_bytes(path.read_bytes())
+    return path

@@ -1,0 +1,98 @@
+"""One optimizer step: micro-batches with gradient accumulation, then the optimizer.
+
+This is the seam the OOM guard replaces: everything the guard needs is a function of the
+batch, the micro-batch size and two callables, so it can re-split the same batch with a smaller
+micro-batch (and more accumulation) and call the same two callables again.
+
+    forward_backward(model, micro_batch_dict, loss_scale) -> detached loss tensor
+        forward + loss + backward of loss * loss_scale; must not call .item() (no host sync)
+    optimizer_step() -> None
+        unscale, clip, optimizer step, LR scheduler, EMA, zero_grad
+
+All randomness of a step (noise, timesteps, caption dropout) is drawn for the whole batch before
+it is split, so the result does not depend on how the batch is cut into micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ForwardBackward = Callable[[torch.nn.Module, dict[str, Any], float], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """Mean loss over the batch (detached, still on the device: reading it is a host sync)."""
+    samples: int
+    """Images this rank processed in the step."""
+    micro_batch: int
+    grad_accum: int
+
+
+def batch_size(batch: Mapping[str, Any]) -> int:
+    """Length of the first tensor or list in `batch`."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+        if isinstance(value, (list, tuple)):
+            return len(value)
+    raise ValueError("batch holds no tensor or list to take a size from")
+
+
+def split_batch(batch: Mapping[str, Any], micro_batch: int) -> list[dict[str, Any]]:
+    """Cut a dict batch into consecutive micro-batches of at most `micro_batch` items.
+
+    Tensors (along dim 0) and lists are sliced; anything else (scalars, None) is shared.
+    """
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    total = batch_size(batch)
+    pieces = []
+    for start in range(0, total, micro_batch):
+        end = min(start + micro_batch, total)
+        piece: dict[str, Any] = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                piece[key] = value[start:end]
+            elif isinstance(value, (list, tuple)):
+                piece[key] = value[start:end]
+            else:
+                piece[key] = value
+        pieces.append(piece)
+    return pieces
+
+
+def run_step(
+    ddp_model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    micro_batch: int,
+    grad_accum: int | None,
+    forward_backward: ForwardBackward,
+    optimizer_step: Callable[[], None],
+) -> StepResult:
+    """Accumulate gradients over the micro-batches of `batch` and take one optimizer step.
+
+    DDP all-reduces only on the last micro-batch (`no_sync()` on the others). Each micro-batch's
+    loss is scaled by its share of the batch, so the gradient equals that of the whole batch at
+    once whatever the split. `grad_accum` is informational (the split follows `micro_batch`).
+    """
+    pieces = split_batch(batch, micro_batch)
+    total = sum(batch_size(p) for p in pieces)
+    loss_sum: torch.Tensor | None = None
+    for index, piece in enumerate(pieces):
+        share = batch_size(piece) / total
+        last = index == len(pieces) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") else ddp_model.no_sync()
+        with sync:
+            loss = forward_backward(ddp_model, piece, share)
+        weighted = loss.detach().float() * share
+        loss_sum = weighted if loss_sum is None else loss_sum + weighted
+    optimizer_step()
+    assert loss_sum is not None
+    return StepResult(loss=loss_sum, samples=total, micro_batch=micro_batch, grad_accum=len(pieces))

@@ -1,0 +1,657 @@
+"""The training loop, top to bottom.
+
+    torchrun --nproc-per-node 2 -m trainer                       # tiny preset on built-in digits
+    python -m trainer --preset sd2-base --set train.micro_batch=8   # one process, no torchrun
+
+Order of events: parse config -> process group -> telemetry -> models -> data -> (VAE fit for a
+model built from scratch) -> (latent cache) -> DDP -> optimizer -> (resume) -> loop -> export.
+Each optimizer step is `trainer.step.run_step`; everything random in a step is drawn for the
+whole batch from one generator per rank, which a checkpoint saves, so a resumed run repeats the
+uninterrupted one exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sddoctor.instrument import api as sdi
+from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
+from sddoctor.telemetry.schema import EventKind
+from trainer.cache import build_cache
+from trainer.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    resolve_resume,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.config import Config, ConfigError, build_config, to_dict, to_toml
+from trainer.data import DataError, ResumableDistributedSampler, build_dataloader, build_dataset
+from trainer.export import export_pipeline
+from trainer.models import ModelLoadError, build_models, count_parameters
+from trainer.objective import DiffusionObjective
+from trainer.optim import EMA, build_lr_scheduler, build_optimizer
+from trainer.progress import ProgressLine, StepReporter, memory_bytes
+from trainer.sample import ema_weights, sample_grid, save_grid
+from trainer.step import run_step
+from trainer.vae_fit import fit_vae
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+HELP_EPILOG = """\
+examples:
+  torchrun --nproc-per-node 2 -m trainer                      2 ranks, tiny preset, built-in digits
+  python -m trainer --preset sd2-base --set data.source=./my-images --set train.micro_batch=8
+  torchrun --nproc-per-node 8 -m trainer --config run.toml --set train.max_steps=10000
+  python -m trainer --model ./runs/tiny/export --set train.max_steps=50   fine-tune a saved model
+  torchrun --nproc-per-node 2 -m trainer --resume latest      continue ./runs/tiny/ after a stop
+  python -m trainer --print-config > run.toml                 every key, resolved
+
+configuration: dataclass defaults <- --preset <- --config FILE (TOML, Python 3.11+ or tomli)
+  <- --set key.sub=value (repeatable; lists: a;b;c or JSON). An unknown or mistyped key is an
+  error naming the valid keys. See docs/trainer.md for every key.
+
+output: ./runs/<output.name or preset>/ unless --output-dir (or $SDDOCTOR_RUN_DIR under
+  `sddoctor run`): telemetry (ranks/), checkpoints/, samples/, export/ (a diffusers folder).
+
+exit codes:
+  0    finished
+  1    training failed (exception; traceback printed, `exception` event written)
+  2    bad input: unknown preset or config key, wrong value type, bad TOML, missing model
+       folder or data folder, unusable --resume target
+  130  stopped by SIGINT, 143 by SIGTERM (after saving a checkpoint)
+"""
+
+
+class BadInput(Exception):
+    """Wraps the user-input errors of every module; turns into exit code 2."""
+
+
+BAD_INPUT_ERRORS = (ConfigError, ModelLoadError, DataError, CheckpointError, BadInput)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="DDP Stable Diffusion trainer, instrumented for sddoctor.",
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--preset", help="tiny (default) | sd15 | sd2-base")
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file of config values ([train] max_steps = 100)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        nargs="+",
+        help="override one config key, e.g. --set train.max_steps=100 optim.lr=1e-4",
+    )
+    parser.add_argument("--model", metavar="PATH", help="local diffusers folder to start from (model.path)")
+    parser.add_argument(
+        "--resume", metavar="latest|PATH", help="resume from a checkpoint (checkpoint.resume)"
+    )
+    parser.add_argument("--output-dir", metavar="DIR", help="output directory (output.dir)")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as TOML and exit"
+    )
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides = [item for group in args.overrides for item in group]
+    if args.model:
+        overrides.append(f"model.path={args.model}")
+    if args.resume:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    if args.output_dir:
+        overrides.append(f"output.dir={args.output_dir}")
+    return build_config(args.preset, args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.print_config:
+        print(to_toml(cfg))
+        return EXIT_OK
+    _quiet_libraries()
+    return Trainer(cfg).run()
+
+
+def _quiet_libraries() -> None:
+    """Keep the console to the trainer's lines: library progress bars and info chatter off."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    # DDP notes that 1x1 conv gradients have other (equivalent) strides than its buckets: harmless.
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+
+
+def preflight_warnings() -> None:
+    """Environment checks before the process group starts (NCCL variables, /dev/shm, ...). None yet."""
+
+
+# -- the process group ----------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def setup_distributed(backend: str, timeout_s: int) -> Dist:
+    """Join torchrun's process group, or make a one-rank group when started without torchrun."""
+    if "RANK" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl" and "device_id" in dist.init_process_group.__code__.co_varnames:
+        kwargs["device_id"] = device  # binds the communicator to this GPU (no guessing at barriers)
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        rank=rank,
+        world_size=world_size,
+        **kwargs,
+    )
+    return Dist(rank, local_rank, world_size, device, backend)
+
+
+def resolve_precision(mode: str, device: torch.device) -> torch.dtype:
+    if mode == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[mode]
+
+
+def output_dir_for(cfg: Config) -> Path:
+    if cfg.output.dir:
+        return Path(cfg.output.dir)
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
+    return Path("runs") / (cfg.output.name or cfg.model.preset)
+
+
+class StopRequested:
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint at the next agreement point.
+
+    A second SIGINT falls through to Python's default (KeyboardInterrupt) for the impatient.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum and signum == signal.SIGINT:
+            signal.default_int_handler(signum, frame)
+        self.signum = signum
+
+
+# -- the trainer -----------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def log(self, message: str) -> None:
+        if self.dist.rank == 0:
+            print(message, flush=True)
+
+    def run(self) -> int:
+        cfg = self.cfg
+        preflight_warnings()
+        self.dist = setup_distributed(cfg.ddp.backend, cfg.ddp.timeout_s)
+        self.out_dir = output_dir_for(cfg)
+        telemetry_dir = os.environ.get(RUN_DIR_ENV) or str(self.out_dir)
+        sdi.enable(
+            telemetry_dir,
+            rank=self.dist.rank,
+            local_rank=self.dist.local_rank,
+            world_size=self.dist.world_size,
+            device=str(self.dist.device),
+            backend=self.dist.backend,
+            python=sys.version.split()[0],
+            torch=torch.__version__,
+        )
+        if self.dist.rank == 0 and not os.environ.get(RUN_DIR_ENV):
+            RunDir(self.out_dir).ensure().write_run_info(
+                command=sys.argv,
+                world_size=self.dist.world_size,
+                backend=self.dist.backend,
+                device=self.dist.device.type,
+                trainer={"preset": cfg.model.preset, "model": cfg.model.path or None, "config": to_dict(cfg)},
+                started=time.time(),
+            )
+        status, code = "error", EXIT_FAILED
+        try:
+            code = self.train()
+            status = "ok" if code == EXIT_OK else "signal"
+        except BAD_INPUT_ERRORS as exc:
+            print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+            sdi.event(EventKind.WARNING, code="bad_input", message=str(exc))
+            code = EXIT_BAD_INPUT
+        except Exception as exc:
+            tb = traceback.extract_tb(exc.__traceback__)
+            sdi.event(
+                EventKind.EXCEPTION,
+                type=type(exc).__name__,
+                message=str(exc),
+                traceback=[f"{f.filename}:{f.lineno} in {f.name}" for f in tb],
+                caller=f"{tb[-1].filename}:{tb[-1].lineno}" if tb else None,
+            )
+            traceback.print_exc()
+            code = EXIT_FAILED
+        finally:
+            sdi.disable(status=status, code=code)
+            if dist.is_initialized():
+                if code in (EXIT_OK, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                    dist.destroy_process_group()
+                # after a failure other ranks may still sit in a collective: do not wait for them
+        return code
+
+    def train(self) -> int:
+        cfg, d = self.cfg, self.dist
+        device = d.device
+        dtype = resolve_precision(cfg.train.mixed_precision, device)
+        if dtype == torch.bfloat16 and device.type == "cpu" and cfg.train.mixed_precision == "auto":
+            dtype = torch.float32
+        start_time = time.time()
+
+        # Bad input (data folder, --resume target) fails here, before any model is built.
+        ckpt_root = self.out_dir / "checkpoints"
+        resume_path = resolve_resume(cfg.checkpoint.resume, ckpt_root)
+        dataset = build_dataset(cfg.data, seed=cfg.train.seed, verbose=d.rank == 0)
+        if dataset.skipped:
+            sdi.event(
+                EventKind.WARNING, code="skipped_images", message=f"{len(dataset.skipped)} images skipped"
+            )
+        self.log(f"data {cfg.data.source}: {len(dataset)} images at {cfg.data.resolution} px")
+
+        # Model init must be identical on every rank (the frozen parts are never broadcast).
+        torch.manual_seed(cfg.train.seed)
+        models = build_models(cfg.model.preset, cfg.model.path, cfg.model.prediction_type)
+        unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
+        self.log(
+            f"model {models.source}: unet {count_parameters(unet):,} | vae {count_parameters(vae):,} | "
+            f"text encoder {count_parameters(text_encoder):,} params | {d.world_size} rank(s), {d.backend}, "
+            f"{device.type}, {str(dtype).removeprefix('torch.')}"
+        )
+        unet.to(device)
+        vae.to(device).requires_grad_(False).eval()
+        text_encoder.to(device).requires_grad_(False).eval()
+        if cfg.model.gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
+        if cfg.model.channels_last:
+            unet.to(memory_format=torch.channels_last)
+
+        shared: dict[str, Any] | None = None
+        rank_state: dict[str, Any] | None = None
+        if cfg.checkpoint.resume == "latest" and resume_path is None:
+            self.log(f"no checkpoint under {ckpt_root}: starting from scratch")
+        if resume_path is not None:
+            shared, rank_state, meta = load_checkpoint(resume_path, d.rank)
+            if meta["world_size"] != d.world_size:
+                self.log(
+                    f"checkpoint was taken with {meta['world_size']} ranks, now {d.world_size}: weights and "
+                    "optimizer resume, the data order continues from the samples consumed so far"
+                )
+            if "vae" in shared:
+                vae.load_state_dict(shared["vae"])
+                vae.register_to_config(scaling_factor=shared["vae_scaling_factor"])
+            if "text_encoder" in shared:
+                text_encoder.load_state_dict(shared["text_encoder"])
+
+        def wrap(module: torch.nn.Module) -> torch.nn.Module:
+            """The DDP wrapper (a factory, so the OOM guard can build a fresh one after a failure)."""
+            if d.world_size == 1:
+                return module
+            return torch.nn.parallel.DistributedDataParallel(
+                module,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                find_unused_parameters=cfg.ddp.find_unused_parameters,
+                gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+                static_graph=cfg.ddp.static_graph,
+            )
+
+        fitted_vae = models.from_scratch and cfg.model.vae_warmup_steps > 0
+        if fitted_vae and shared is None:
+            fit_vae(
+                vae,
+                dataset,
+                steps=cfg.model.vae_warmup_steps,
+                batch_size=cfg.model.vae_warmup_batch,
+                lr=cfg.model.vae_warmup_lr,
+                kl_weight=cfg.model.vae_kl_weight,
+                device=device,
+                wrap=wrap,
+                rank=d.rank,
+                world_size=d.world_size,
+                seed=cfg.train.seed,
+                log=self.log,
+            )
+        scaling = float(vae.config.scaling_factor)
+        frozen_dtype = dtype if device.type == "cuda" else torch.float32
+        if frozen_dtype != torch.float32:
+            vae.to(dtype=frozen_dtype)
+            text_encoder.to(dtype=frozen_dtype)
+        if cfg.data.cache:
+            dataset = build_cache(
+                dataset,
+                vae,
+                text_encoder,
+                models.tokenizer,
+                cfg.data,
+                device=device,
+                rank=d.rank,
+                world_size=d.world_size,
+                dtype=frozen_dtype,
+                batch_size=max(cfg.train.micro_batch, 16),
+            )
+            self.log(f"latent cache {'hit' if dataset.stats.hit else 'built'}: {dataset.stats.path}")
+        batch_per_step = cfg.train.micro_batch * cfg.train.grad_accum
+        sampler = ResumableDistributedSampler(
+            dataset, d.world_size, d.rank, shuffle=True, seed=cfg.train.seed
+        )
+        if sampler.num_samples < batch_per_step:
+            raise BadInput(
+                f"each rank gets {sampler.num_samples} images per epoch, fewer than one step's "
+                f"{batch_per_step} (micro_batch x grad_accum); lower train.micro_batch or add data"
+            )
+        loader = build_dataloader(
+            dataset,
+            sampler,
+            batch_per_step,
+            num_workers=cfg.data.num_workers,
+            pin_memory=device.type == "cuda",
+            seed=cfg.train.seed,
+        )
+
+        # DDP, optimizer, schedule, EMA, loss scaler.
+        unet.train()
+        model = torch.compile(unet) if cfg.model.compile else unet
+        ddp_model = wrap(model)
+        params = [p for p in unet.parameters() if p.requires_grad]
+        optimizer = build_optimizer(params, cfg.optim, device)
+        lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+        ema = EMA(unet, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + d.rank)
+        step = 0
+        if shared is not None:
+            unet.load_state_dict(shared["unet"])
+            optimizer.load_state_dict(shared["optimizer"])
+            lr_scheduler.load_state_dict(shared["lr_scheduler"])
+            if ema is not None and shared.get("ema") is not None:
+                ema.load_state_dict(shared["ema"])
+            if scaler is not None and shared.get("scaler") is not None:
+                scaler.load_state_dict(shared["scaler"])
+            step = int(shared["step"])
+            sampler.load_state_dict(shared["samplers"][0] if rank_state is None else rank_state["sampler"])
+            if rank_state is not None:
+                set_rng_state(rank_state["rng"], generator)
+            self.log(f"resumed from {resume_path} at step {step}")
+            sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume_path), action="resume")
+
+        objective = DiffusionObjective(cfg, models, device, dtype, frozen_dtype, generator, scaler)
+
+        def optimizer_step() -> None:
+            """Unscale, clip, step, schedule, EMA, zero_grad."""
+            sdi.phase("optimizer")
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if cfg.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm, foreach=True)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            lr_scheduler.step()
+            if ema is not None:
+                ema.update()
+            optimizer.zero_grad(set_to_none=True)
+
+        def shared_state() -> dict[str, Any]:
+            state = {
+                "step": step,
+                "unet": unet.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "lr_scheduler": lr_scheduler.state_dict(),
+                "ema": ema.state_dict() if ema is not None else None,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "samplers": [sampler.state_dict()],
+                "config": to_dict(cfg),
+            }
+            if fitted_vae:
+                state["vae"] = vae.state_dict()
+                state["vae_scaling_factor"] = scaling
+            if models.from_scratch:
+                state["text_encoder"] = text_encoder.state_dict()
+            return state
+
+        def save(reason: str) -> None:
+            t0 = time.time()
+            path = save_checkpoint(
+                ckpt_root,
+                step,
+                shared_state,
+                {"rng": rng_state(generator), "sampler": sampler.state_dict(), "step": step},
+                d.rank,
+                d.world_size,
+                _barrier,
+                keep=cfg.checkpoint.keep,
+            )
+            seconds = time.time() - t0
+            sdi.event(EventKind.CHECKPOINT, step=step, path=str(path), seconds=seconds, reason=reason)
+            self.log(f"checkpoint {path} ({reason}, {seconds:.1f}s)")
+
+        def samples() -> None:
+            if not cfg.sample.prompts:
+                return
+            if d.rank == 0:
+                t0 = time.time()
+                with ema_weights(unet, ema):
+                    grid = sample_grid(
+                        models,
+                        unet,
+                        cfg.sample.prompts,
+                        cfg.sample.images_per_prompt,
+                        cfg.sample.steps,
+                        cfg.sample.guidance_scale,
+                        cfg.data.resolution,
+                        cfg.sample.seed,
+                        device,
+                        dtype,
+                    )
+                path = save_grid(grid, self.out_dir / "samples", step)
+                self.log(f"samples {path} ({time.time() - t0:.1f}s)")
+            _barrier()
+
+        # -- the loop ----------------------------------------------------------------------
+        stop = StopRequested()
+        if cfg.checkpoint.on_signal:
+            stop.install()
+        images_per_step = batch_per_step * d.world_size
+        reporter = StepReporter(device)
+        progress = ProgressLine(cfg.train.max_steps, d.world_size, device)
+        progress.reset(step)
+        loss_window = torch.zeros((), device=device)
+        window_steps = 0
+        mem_alloc, mem_peak = memory_bytes(device)
+        self.log(
+            f"training {cfg.train.max_steps} steps from step {step}: global batch {images_per_step} "
+            f"= {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x {d.world_size} ranks "
+            f"| output {self.out_dir} | setup {time.time() - start_time:.1f}s"
+        )
+        first_loss: float | None = None
+        epoch = sampler.epoch
+        data_iter = None
+        last_end = time.perf_counter()
+        while step < cfg.train.max_steps:
+            sdi.phase("data")
+            if data_iter is None:
+                sampler.set_epoch(epoch)
+                data_iter = iter(loader)
+            try:
+                raw = next(data_iter)
+            except StopIteration:
+                epoch += 1
+                data_iter = None
+                continue
+            batch = objective.prepare(raw)
+            lr = lr_scheduler.get_last_lr()[0]  # the rate this step uses
+            result = run_step(
+                ddp_model,
+                batch,
+                cfg.train.micro_batch,
+                cfg.train.grad_accum,
+                objective.forward_backward,
+                optimizer_step,
+            )
+            sampler.advance(result.samples)
+            step += 1
+            now = time.perf_counter()
+            step_time, last_end = now - last_end, now
+            loss_window += result.loss
+            window_steps += 1
+            mem_alloc, mem_peak = memory_bytes(device)
+            reporter.push(
+                step,
+                result.loss,
+                samples=result.samples,
+                step_time=step_time,
+                micro_batch=result.micro_batch,
+                grad_accum=result.grad_accum,
+                mem_alloc=mem_alloc,
+                mem_peak=mem_peak,
+                lr=lr,
+                images_per_s=images_per_step / step_time if step_time > 0 else None,
+            )
+
+            # Logging interval: the one host sync (mean loss over ranks, and whether anyone was signalled).
+            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                reporter.flush()
+                mean = loss_window / window_steps
+                flag = torch.tensor(float(stop.signum), device=device)
+                dist.all_reduce(mean)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                mean_loss = mean.item() / d.world_size
+                signalled = int(flag.item())
+                first_loss = mean_loss if first_loss is None else first_loss
+                if d.rank == 0:
+                    progress.show(step, mean_loss, images_per_step, lr)
+                loss_window.zero_()
+                window_steps = 0
+                if signalled:
+                    if stop.signum == 0:
+                        stop.signum = signalled
+                    save(f"signal {signal.Signals(signalled).name}")
+                    return 128 + signalled
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.max_steps:
+                save("periodic")
+            if cfg.sample.every and step % cfg.sample.every == 0 and step < cfg.train.max_steps:
+                samples()
+            last_end = time.perf_counter()  # step_time covers data + step, not logging or saving
+
+        reporter.flush()
+        self.check_replicas(unet, step)
+        if cfg.checkpoint.at_end:
+            save("end")
+        if cfg.sample.at_end:
+            samples()
+        if cfg.output.export:
+            if d.rank == 0:
+                path = export_pipeline(models, unet, self.out_dir / "export", ema)
+                self.log(f"exported diffusers folder {path}")
+            _barrier()
+        self.log(f"done: {step} steps in {time.time() - start_time:.1f}s")
+        return EXIT_OK
+
+    def check_replicas(self, unet: torch.nn.Module, step: int) -> None:
+        """Compare a digest of the UNet weights across ranks: DDP must keep them identical."""
+        digest = params_digest(unet)
+        sdi.event("replicas", step=step, params_sha256=digest)
+        digests: list[Any] = [None] * self.dist.world_size
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) > 1:
+            message = f"UNet weights differ across ranks after step {step}: {digests}"
+            sdi.event(EventKind.WARNING, code="replicas_differ", message=message)
+            self.log(f"warning: {message}")
+
+
+def params_digest(module: torch.nn.Module) -> str:
+    """sha256 over per-tensor float64 sums and position-weighted sums, computed on the device.
+
+    Two ranks whose weights differ anywhere get different digests (short of a crafted
+    coincidence); only 2 numbers per tensor leave the GPU, so it costs milliseconds for SD.
+    """
+    sums = []
+    for p in module.parameters():
+        flat = p.detach().reshape(-1).double()
+        ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+        sums.append(torch.stack([flat.sum(), (flat * ramp).sum()]))
+    return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()
+
+
+def _barrier() -> None:
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
