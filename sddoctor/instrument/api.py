@@ -99,10 +99,10 @@ class RankSession:
             return
         self.fire_fault(fault, step=step, caller=_caller())
 
-    def fire_fault(self, fault: Fault, **where: Any) -> None:
+    def fire_fault(self, fault: Fault, /, **where: Any) -> None:
         """Fire a kill/raise fault now: a `fault` event (flushed), then the signal or the exception."""
         self._fired.add(fault.spec)
-        self.writer.emit(EventKind.FAULT, fault=fault.spec, **where)
+        self.writer.emit(EventKind.FAULT, **{**where, "fault": fault.spec})
         self.writer.flush()
         if fault.kind == "kill":
             os.kill(os.getpid(), int(fault.get("signal", signal.SIGKILL)))  # type: ignore[arg-type]

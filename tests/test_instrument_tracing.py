@@ -1,0 +1,99 @@
+"""Collective tracing in real gloo ranks started with the bootstrap on PYTHONPATH."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from instrument_fixtures import collectives, events, line_of, reap, records, start_ranks, state, wait_for
+
+
+def test_trace_records_seq_op_shapes_and_caller(tmp_path: Path) -> None:
+    procs = start_ranks(tmp_path, 2, "trace")
+    try:
+        for p in procs:
+            p.wait(timeout=90)
+    finally:
+        outs = reap(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    recs = [records(out) for out in outs]
+    for rank in (0, 1):
+        r = recs[rank]
+        ar = r["all_reduce"]["rec"]
+        # `from torch.distributed import all_reduce` ran after the bootstrap patched the module
+        assert (ar["pg"], ar["seq"], ar["op"]) == ("0", 1, "all_reduce")
+        assert ar["shapes"] == [[4, 3]] and ar["dtypes"] == ["float32"]
+        assert ar["caller"] == line_of("trace-all-reduce")
+        assert ar["async"] is False and ar["duration"] >= 0
+        bc = r["broadcast"]["rec"]
+        assert (bc["seq"], bc["op"], bc["dtypes"], bc["caller"]) == (
+            2,
+            "broadcast",
+            ["int64"],
+            line_of("trace-broadcast"),
+        )
+        # all_gather_object issues all_gather twice inside: counted once
+        obj = r["all_gather_object"]
+        assert (obj["rec"]["seq"], obj["rec"]["op"]) == (3, "all_gather_object")
+        assert obj["rec"]["caller"] == line_of("trace-object")
+        assert obj["issued"]["0"] == 3
+        # async work: completed by the heartbeat's poll, not by blocking
+        asy = r["async"]["rec"]
+        assert (asy["seq"], asy["op"], asy["async"], asy["shapes"]) == (4, "all_reduce", True, [[5]])
+        # p2p has its own numbering, so the group's collective numbering stays equal on all ranks
+        p2p = r["p2p"]
+        assert p2p["rec"]["pg"] == "0:p2p" and p2p["rec"]["seq"] == 1
+        assert p2p["rec"]["op"] == ("send" if rank == 0 else "recv")
+        assert p2p["rec"]["peer"] == (1 if rank == 0 else 0)
+        assert p2p["rec"]["caller"] == line_of("trace-send" if rank == 0 else "trace-recv")
+        assert p2p["issued"] == {"0": 4, "0:p2p": 1}
+        sub = r["subgroup"]["rec"]
+        assert sub["pg"] != "0" and sub["seq"] == 1 and sub["caller"] == line_of("trace-subgroup")
+        bar = r["barrier"]
+        assert (bar["rec"]["op"], bar["rec"]["seq"]) == ("barrier", 5)
+        # the state snapshot and the summary event reached the run directory
+        snap = state(tmp_path, rank)
+        assert snap["status"] == "exited" and snap["backend"] == "gloo"
+        assert snap["collectives"]["issued"]["0"] == 5 and snap["collectives"]["inflight"] == []
+        assert isinstance(snap["heartbeat"], float)
+        summary = events(tmp_path, rank, "collective")[-1]
+        assert summary["ops"]["all_reduce"]["count"] == 3 and summary["count"] == 7
+        assert [e["kind"] for e in events(tmp_path, rank)][-1] == "exit"
+
+
+def test_uncaught_exception_is_recorded_with_caller(tmp_path: Path) -> None:
+    procs = start_ranks(tmp_path, 2, "crash")
+    try:
+        procs[1].wait(timeout=60)
+    finally:
+        reap(procs)
+    assert procs[1].returncode == 1
+    (exc,) = events(tmp_path, 1, "exception")
+    assert exc["type"] == "ValueError" and exc["message"] == "bad batch on rank 1"
+    assert exc["caller"] == line_of("crash-raise")
+    assert exc["traceback"][-1].startswith(line_of("crash-raise"))
+    assert events(tmp_path, 1, "exit")[-1]["status"] == "error"
+
+
+def test_sigterm_kills_a_rank_stuck_in_a_collective_and_flushes(tmp_path: Path) -> None:
+    """Rank 1 never reaches #3 (skip fault); rank 0 waits inside gloo; SIGTERM still ends it."""
+    procs = start_ranks(tmp_path, 2, "loop", "6", fault="skip:rank=1,seq=3")
+    try:
+        inflight = wait_for(
+            lambda: collectives(tmp_path, 0).get("inflight"), 60, "rank 0 to wait inside collective #3"
+        )
+        started = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        procs[0].wait(timeout=10)
+        took = time.monotonic() - started
+    finally:
+        reap(procs)
+    assert inflight[0]["seq"] == 3 and inflight[0]["caller"] == line_of("loop-all-reduce")
+    assert procs[0].returncode == -signal.SIGTERM, "the default action of SIGTERM must survive the flush"
+    assert took < 5
+    assert events(tmp_path, 0, "exit")[-1] == {
+        **events(tmp_path, 0, "exit")[-1],
+        "status": "signal",
+        "code": 143,
+    }
