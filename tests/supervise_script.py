@@ -14,7 +14,7 @@ pause = float(os.environ.get("PAUSE", "0.05"))
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 x = torch.ones(8)
-for step in range(steps):
+for _ in range(steps):
     time.sleep(pause)
     y = x * (rank + 1)
     dist.all_reduce(y)  # COLLECTIVE

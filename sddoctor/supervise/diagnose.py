@@ -74,6 +74,8 @@ def describe_exit(exit_info: dict[str, Any] | None) -> str:
     if sig:
         return f"was killed by signal {sig} ({signal_name(int(sig))})"
     code = exit_info.get("code")
+    if code is None and exit_info.get("unclean"):
+        return "vanished without an exit record (killed hard: SIGKILL or the OOM killer?)"
     return f"exited with code {code}" if code is not None else "ended"
 
 
@@ -139,12 +141,17 @@ def _rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
     for failure in state.launcher_failures:
         if failure.get("rank") == rank.rank:
             code = failure.get("exitcode")
-            merged = exit_info or {"source": "launcher"}
-            if isinstance(code, int) and merged.get("code") is None and not merged.get("signal"):
+            merged = exit_info or {}
+            # The launcher saw the real wait status; a rank's own exit event is written before it dies.
+            if isinstance(code, int) and merged.get("source") != "wait status":
+                merged.pop("signal", None)
+                merged.pop("code", None)
+                merged.pop("unclean", None)
                 if code < 0:
                     merged["signal"] = -code
                 else:
                     merged["code"] = code
+                merged["source"] = "launcher"
             exit_info = merged
     return exit_info
 
@@ -152,6 +159,8 @@ def _rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
 def _abnormal(exit_info: dict[str, Any] | None) -> bool:
     if not exit_info:
         return False
+    if exit_info.get("unclean"):
+        return True  # gone without an exit record: killed hard (SIGKILL, the OOM killer)
     return bool(exit_info.get("signal")) or exit_info.get("code") not in (0, None)
 
 
@@ -258,9 +267,10 @@ def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:
     code = job.get("code")
     traceback = last_traceback(state.stderr_tail)
     location = None
-    if traceback:
-        user = [f for f in traceback if _is_user_frame_text(f)]
-        location = (user or traceback)[-1].split(" in ")[0]
+    frames = [f for f in traceback or [] if " in " in f]
+    if frames:
+        user = [f for f in frames if _is_user_frame_text(f)]
+        location = (user or frames)[-1].split(" in ")[0]
     rank = 0 if (state.world_size or len(state.ranks) or 1) == 1 else None
     how = f"exited with code {code}"
     if isinstance(code, int) and code < 0:
@@ -688,7 +698,13 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
         return []
     rank = state.ranks[slow]
     last_arrivals = _last_arrival_counts(state)
-    location, how = _where(rank)
+    # Where it arrives late: the call site it most often enters collectives from.
+    callers: dict[str, int] = {}
+    for sightings in rank.arrivals.values():
+        for a in sightings.values():
+            if a.caller and a.enqueue >= since:
+                callers[a.caller] = callers.get(a.caller, 0) + 1
+    location = max(callers, key=lambda c: callers[c]) if callers else _where(rank)[0]
     summary = (
         f"straggler: rank {slow} computes {mine['compute']:.3f} s between collectives, {ratio:.1f}x the others "
         f"({other_compute:.3f} s); they wait {other_wait:.3f} s per collective for it"
@@ -698,7 +714,7 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
         f" ({int(t['samples'])} samples)"
         for r, t in sorted(timings.items())
     ]
-    if last_arrivals:
+    if sum(last_arrivals.values()) >= 3:
         total = sum(last_arrivals.values())
         evidence.append(
             f"last to arrive at collectives seen on all ranks: rank {slow} in {last_arrivals.get(slow, 0)} of {total}"
@@ -717,7 +733,6 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
                 f"injected fault {fault.get('fault')!r} fired on rank {slow} at {fault.get('caller')}"
             )
             location = location or fault.get("caller")
-    del how
     return [Verdict("straggler", "warning", summary, slow, location, details, evidence)]
 
 

@@ -36,7 +36,11 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
         if rank.exit is None and rank.pid and rank.host == host:
             rank.alive = psutil.pid_exists(rank.pid)
             if not rank.alive:
-                rank.exit = {"t": rank.state.get("t"), "source": "process gone (no exit event)"}
+                rank.exit = {
+                    "t": rank.state.get("heartbeat") or rank.state.get("t"),
+                    "source": "process gone without an exit event (killed?)",
+                    "unclean": True,
+                }
     watcher.last_progress = last_progress or watcher.last_progress
     state = watcher.state(now)
     ended = all(r.exited for r in state.ranks.values()) if state.ranks else True
