@@ -58,26 +58,23 @@ def run_supervised(
     fault: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 90.0,
-    interrupt_after: float | None = None,
+    interrupt_when_ranks: int | None = None,
 ) -> Supervised:
-    """Run `sddoctor run OPTIONS -- JOB`; fail if any process it started outlives it."""
+    """Run `sddoctor run OPTIONS -- JOB`; fail if any process it started outlives it.
+
+    With `interrupt_when_ranks=N`, send SIGINT (Ctrl-C) once N ranks have written a state snapshot.
+    """
     run_dir = tmp_path / "run"
     extra = dict(env or {})
     if fault:
         extra["SDDOCTOR_FAULT"] = fault
     cmd = [sys.executable, "-m", "sddoctor", "run", "--run-dir", str(run_dir), *options, "--", *job]
-    proc = subprocess.Popen(
-        cmd,
-        env=subprocess_env(**extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
+    out_file, err_file = tmp_path / "sddoctor.stdout", tmp_path / "sddoctor.stderr"
+    with open(out_file, "w") as out, open(err_file, "w") as err:
+        proc = subprocess.Popen(cmd, env=subprocess_env(**extra), stdout=out, stderr=err, cwd=tmp_path)
     seen: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + timeout
     interrupted = False
-    out_chunks: list[str] = []
     try:
         me = psutil.Process(proc.pid)
         while proc.poll() is None:
@@ -86,18 +83,13 @@ def run_supervised(
                     seen.setdefault(child.pid, child)
             except psutil.Error:
                 pass
-            if (
-                interrupt_after is not None
-                and not interrupted
-                and time.monotonic() > deadline - timeout + interrupt_after
-            ):
-                proc.send_signal(signal.SIGINT)
-                interrupted = True
+            if interrupt_when_ranks and not interrupted:
+                if len(list((run_dir / "ranks").glob("*.state"))) >= interrupt_when_ranks:
+                    proc.send_signal(signal.SIGINT)
+                    interrupted = True
             if time.monotonic() > deadline:
                 raise AssertionError(f"sddoctor run did not finish in {timeout} s: {cmd}")
             time.sleep(0.1)
-        stdout, stderr = proc.communicate(timeout=10)
-        out_chunks.append(stdout)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -107,7 +99,7 @@ def run_supervised(
             p.kill()
         psutil.wait_procs(survivors, timeout=5)
     assert not survivors, f"processes outlived sddoctor run: {[p.pid for p in survivors]}"
-    return Supervised(proc.returncode, "".join(out_chunks), stderr, run_dir, set(seen))
+    return Supervised(proc.returncode, out_file.read_text(), err_file.read_text(), run_dir, set(seen))
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -19,13 +19,15 @@ def call(
     return {"pg": "0", "seq": seq, "op": op, "shapes": shapes or [[4]], "caller": caller, "since": since}
 
 
-def rank(r: int, *, inflight=None, issued=None, done=None, phase=None, step=None, **kw) -> RankState:
+def rank(
+    r: int, *, inflight=None, issued=None, done=None, phase=None, step=None, heartbeat=NOW - 0.5, **kw
+) -> RankState:
     colls: dict[str, Any] = {"inflight": inflight or []}
     if issued is not None:
         colls["issued"] = {"0": issued}
     if done is not None:
         colls["last_done"] = done
-    state = {"rank": r, "t": NOW - 0.5, "collectives": colls}
+    state = {"rank": r, "t": NOW - 0.5, "heartbeat": heartbeat, "collectives": colls}
     if phase:
         state["phase"] = phase
     if step is not None:
@@ -143,6 +145,17 @@ HANG_CASES = [
         id="dataloader-stack",
     ),
     pytest.param(hung(rank(0), rank(1)), "hang.unknown", None, None, id="nobody-in-a-collective"),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(1, inflight=[call(7)], heartbeat=NOW - 30),
+            rank(2, inflight=[call(7)]),
+        ),
+        "hang.comm",
+        1,
+        "train.py:20",
+        id="frozen-rank-inside-the-collective",
+    ),
 ]
 
 

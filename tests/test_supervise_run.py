@@ -40,6 +40,14 @@ def test_skipped_collective_is_a_missing_rank_hang(tmp_path):
     assert f"rank 1, {COLLECTIVE}" in res.stderr
 
 
+def test_stalled_data_loader(tmp_path):
+    res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), env={"STEPS": "50", "DATA_STALL_RANK": "1"})
+    assert res.returncode == 124, res.stderr
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.dataloader", 1)
+    assert v["location"] == script_line("# DATA")
+
+
 def test_shape_change_is_a_mismatch(tmp_path):
     res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), fault="shape:rank=1,seq=4", env={"STEPS": "50"})
     assert res.returncode != 0
@@ -118,7 +126,7 @@ def test_ctrl_c_stops_the_whole_job(tmp_path):
         torchrun(2, str(SCRIPT)),
         env={"STEPS": "100000", "PAUSE": "0.05"},
         options=("--hang-timeout", "60"),
-        interrupt_after=12.0,
+        interrupt_when_ranks=2,
         timeout=60,
     )
     assert res.returncode == 130

@@ -218,7 +218,7 @@ def _crash_verdict(
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     if exc and not (exit_info or {}).get("signal"):
         how = f"raised {exc.get('type', 'an exception')}: {str(exc.get('message', '')).strip()[:160]}"
-    summary = f"rank {rank.rank} died first: it {how}"
+    summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
     if location:
         summary += f" at {location}"
     if others:
@@ -533,13 +533,34 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         return [Verdict(kind, "error", summary, culprit_rank, location, details, evidence)]
 
     # Everyone is inside the same collective with the same signature: the collective is stuck.
+    if state.flight_recorder:
+        details["flight_recorder"] = state.flight_recorder
+    frozen = _frozen_ranks(state, waiters)
+    if frozen and len(frozen) < len(waiters):
+        # One process stopped altogether (SIGSTOP, a debugger, D state): its snapshot is stale.
+        ages = {r: round(state.now - float(state.ranks[r].state.get("heartbeat") or 0.0), 1) for r in frozen}
+        summary = (
+            f"hang: all {len(waiters)} ranks are inside {where_call}, but rank {_join(frozen)} stopped "
+            f"responding (heartbeat {max(ages.values()):.0f} s old): its process is frozen (stopped, "
+            "traced, or stuck in the kernel); the others wait for it"
+        )
+        details.update(frozen_ranks=frozen, heartbeat_age=ages)
+        return [Verdict("hang.comm", "error", summary, frozen[0], call.get("caller"), details, evidence)]
     summary = (
         f"hang: all {len(waiters)} ranks wait inside {where_call} for {stalled:.0f} s with matching "
         "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
     )
-    if state.flight_recorder:
-        details["flight_recorder"] = state.flight_recorder
     return [Verdict("hang.comm", "error", summary, None, call.get("caller"), details, evidence)]
+
+
+def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list[int]:
+    """Ranks whose heartbeat thread stopped ticking while their peers' still tick."""
+    out = []
+    for r in ranks:
+        beat = state.ranks[r].state.get("heartbeat")
+        if isinstance(beat, (int, float)) and state.now - beat > stale:
+            out.append(r)
+    return sorted(out)
 
 
 def _mismatch_verdict(
