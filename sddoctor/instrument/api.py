@@ -147,9 +147,13 @@ class RankSession:
             return
         old = self.writer
         new = TelemetryWriter(self.run_dir, rank, start_thread=True)
+        atexit.unregister(new.close)  # the session closes it, after its own last events
         new._state.update({k: v for k, v in old._state.items() if k not in ("rank", "pid", "host")})
         while old._events:
-            new._events.append(dict(old._events.popleft(), rank=rank))
+            event = dict(old._events.popleft(), rank=rank)
+            if event.get("kind") == EventKind.START.value:
+                event["world_size"] = self.world_size
+            new._events.append(event)
         for provider in old._providers:
             new.add_state_provider(provider)
         old._closed = True  # never flushed: it wrote nothing, and must not write under the wrong rank

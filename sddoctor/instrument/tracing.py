@@ -127,8 +127,8 @@ class _Rec:
             "pg": self.key,
             "seq": self.seq,
             "op": self.op,
-            "shapes": self.shapes,
-            "dtypes": self.dtypes,
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": [d if isinstance(d, str) else _dtype_name(d) for d in self.dtypes],
             "caller": f"{self.file}:{self.line}",
             "since": self.t0,
             "async": self.deferred,
@@ -643,25 +643,25 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def _describe(payload: Any, kind: str) -> tuple[list[Any], list[str], bool]:
+def _describe(payload: Any, kind: str) -> tuple[list[Any], list[Any], bool]:
     """Shapes and dtypes of the payload, and whether it lives on a CUDA device."""
     if payload is None:
         return [], [], False
     shape = getattr(payload, "shape", None)
-    if shape is not None:
-        return [list(shape)], [_dtype_name(payload.dtype)], bool(getattr(payload, "is_cuda", False))
+    if shape is not None:  # torch.Size and dtype objects: turned into JSON at snapshot time
+        return [shape], [payload.dtype], payload.is_cuda
     if kind == "object" and isinstance(payload, list):
         return [[len(payload)]], ["object"], False
     if isinstance(payload, (list, tuple)):
         shapes: list[Any] = []
-        dtypes: list[str] = []
+        dtypes: list[Any] = []
         cuda = False
         for item in payload[:_MAX_LISTED]:
             item = getattr(item, "tensor", item)  # P2POp
             shape = getattr(item, "shape", None)
             if shape is not None:
-                shapes.append(list(shape))
-                dtypes.append(_dtype_name(item.dtype))
+                shapes.append(shape)
+                dtypes.append(item.dtype)
                 cuda = cuda or bool(getattr(item, "is_cuda", False))
         return shapes, dtypes, cuda
     return [], [], False
