@@ -23,6 +23,8 @@ def rank_summary(rank: RankState) -> dict[str, Any]:
     if rank.host:
         out["host"] = rank.host
     out["alive"] = rank.alive
+    if rank.remote:
+        out["remote"] = True
     if rank.exit:
         out["exit"] = rank.exit
     if rank.exception:

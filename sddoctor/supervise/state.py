@@ -83,6 +83,8 @@ class RankState:
     stack: dict[str, Any] | None = None
     #: Per process group: sightings of collectives by seq (from snapshots; sparse).
     arrivals: dict[str, dict[int, Arrival]] = field(default_factory=dict)
+    #: Watched by another node's supervisor (`--peers`); its snapshot arrives over HTTP.
+    remote: bool = False
     #: Cumulative DDP bucket samples: list of (t, buckets, seconds) from snapshots.
     ddp_samples: list[tuple[float, float, float]] = field(default_factory=list)
 

@@ -271,6 +271,9 @@ class Supervisor:
             job_exit_code=self.job.exit_code,
         )
         report["node"] = {"host": socket.gethostname(), "node_rank": self.opts.node_rank}
+        # With --peers the report covers every node's ranks (node 0's is the job-wide one).
+        report["scope"] = "job" if self.opts.peers else "node"
+        report["peers"] = {peer: peer in self.remote for peer in self.opts.peers}
         write_report(self.opts.run_dir, report)
         return report
 

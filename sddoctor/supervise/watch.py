@@ -67,7 +67,13 @@ class Watcher:
                 rank.exit = snap["exit"]
             if isinstance(snap.get("exception"), dict):
                 rank.exception = snap["exception"]
+            if isinstance(snap.get("stack"), dict) and snap["stack"].get("ok"):
+                rank.stack = snap["stack"]  # taken by that node's supervisor
+            for name in ("faults",):
+                if isinstance(snap.get(name), list):
+                    rank.faults = snap[name]
             rank.alive = None if rank.exit is None else False
+            rank.remote = True
 
     def _on_event(self, rank: RankState, event: dict[str, Any], now: float) -> None:
         kind = event.get("kind")
