@@ -148,7 +148,7 @@ def test_rank_environment_keeps_user_settings(tmp_path: Path) -> None:
 def test_flight_recorder_pipe_is_written_without_blocking(tmp_path: Path) -> None:
     prefix = tmp_path / "nccl_pipe_rank_"
     assert trigger_dump(prefix, 3) is False  # no pipe: nothing to do, no error
-    fifo = Path(f"{prefix}3")
+    fifo = Path(f"{prefix}3.pipe")  # the name torch gives it
     os.mkfifo(fifo)
     assert trigger_dump(prefix, 3) is False  # a pipe nobody reads: no block
     got: list[bytes] = []

@@ -2,7 +2,7 @@
 
 The recorder keeps the last TORCH_NCCL_TRACE_BUFFER_SIZE collectives of every NCCL process
 group. With TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, each rank's watchdog creates a FIFO named
-`<prefix><rank>`; writing to it makes that rank dump its buffer (a pickle) to
+`<prefix><rank>.pipe` (`<prefix><rank>` in some builds); writing to it makes that rank dump its buffer (a pickle) to
 `<TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>`. These variables must be in the environment before
 the process group is created, so `sddoctor run` puts them into the job's environment
 (`sddoctor.instrument.boot.rank_environment`). gloo has no flight recorder worth reading
@@ -38,20 +38,21 @@ def trigger_dump(pipe_prefix: str | os.PathLike[str], rank: int) -> bool:
     Usable from any process (the supervisor included). False when there is no pipe or nobody
     reads it (not NCCL, recorder off, rank gone).
     """
-    path = f"{pipe_prefix}{rank}"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno in (errno.ENXIO, errno.ENOENT, errno.EACCES):
+    for path in (f"{pipe_prefix}{rank}.pipe", f"{pipe_prefix}{rank}"):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno in (errno.ENXIO, errno.ENOENT, errno.EACCES, errno.ENOTDIR):
+                continue  # no pipe, or nobody reads it
+            raise
+        try:
+            os.write(fd, b"1\n")
+            return True
+        except OSError:
             return False
-        raise
-    try:
-        os.write(fd, b"1\n")
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
+        finally:
+            os.close(fd)
+    return False
 
 
 def dump_flight_recorder() -> bool:
