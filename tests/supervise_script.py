@@ -1,7 +1,7 @@
 """A plain DDP-style user script (no sddoctor API): compute, then one all_reduce per step.
 
 Environment: STEPS (default 20), PAUSE seconds of "compute" per step (default 0.05),
-DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall).
+SIZE elements per all_reduce (default 8), DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall).
 """
 
 import os
@@ -21,7 +21,7 @@ class Items(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> torch.Tensor:
         if self.stall and index >= 4:
             time.sleep(3600)  # a stuck read: network file system, a corrupt file, a deadlock
-        return torch.ones(8)
+        return torch.ones(int(os.environ.get("SIZE", "8")))
 
 
 steps = int(os.environ.get("STEPS", "20"))
@@ -33,7 +33,7 @@ batches = None
 if stall_rank is not None:
     loader = torch.utils.data.DataLoader(Items(str(rank) == stall_rank), batch_size=None, num_workers=1)
     batches = iter(loader)
-x = torch.ones(8)
+x = torch.ones(int(os.environ.get("SIZE", "8")))
 for _ in range(steps):
     time.sleep(pause)
     if batches is not None:

@@ -494,6 +494,29 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     absent = [r for r in not_waiting if r not in calls]
     details = {**base, "pg": pg, "seq": seq, "op": call.get("op"), "waiting_ranks": sorted(waiters)}
 
+    # A rank whose heartbeat stopped is frozen (SIGSTOP, a debugger, native code holding the GIL,
+    # D state): its snapshot is stale, so its seq cannot be compared; it is the culprit either way.
+    live = [r for r in expected if r in state.ranks and not state.ranks[r].exited]
+    frozen = _frozen_ranks(state, live)
+    if frozen and len(frozen) < len(live):
+        culprit = frozen[0]
+        others = sorted(r for r in waiters if r not in frozen)
+        ages = {r: round(state.now - float(state.ranks[r].state.get("heartbeat") or 0.0), 1) for r in frozen}
+        location, how = _where(state.ranks[culprit])
+        inside = culprit in calls
+        if inside:
+            location = location if state.ranks[culprit].stack else calls[culprit].get("caller")
+        summary = (
+            f"hang: rank {_join(frozen)} stopped responding (heartbeat {max(ages.values()):.0f} s old) "
+            + (f"inside {calls[culprit].get('op')} #{calls[culprit].get('seq')}" if inside else f"({how})")
+            + f": its process is frozen (stopped, traced, or stuck in native code); "
+            f"rank{'s' if len(others) > 1 else ''} {_join(others)} wait{'' if len(others) > 1 else 's'} "
+            f"in {where_call}"
+        )
+        details.update(frozen_ranks=frozen, heartbeat_age=ages)
+        kind = "hang.comm" if inside else "hang.missing_rank"
+        return [Verdict(kind, "error", summary, culprit, location, details, evidence)]
+
     # Ranks that wait in the same seq but disagree on op/shapes.
     signatures: dict[str, list[int]] = {}
     for r in waiters:
@@ -535,17 +558,6 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     # Everyone is inside the same collective with the same signature: the collective is stuck.
     if state.flight_recorder:
         details["flight_recorder"] = state.flight_recorder
-    frozen = _frozen_ranks(state, waiters)
-    if frozen and len(frozen) < len(waiters):
-        # One process stopped altogether (SIGSTOP, a debugger, D state): its snapshot is stale.
-        ages = {r: round(state.now - float(state.ranks[r].state.get("heartbeat") or 0.0), 1) for r in frozen}
-        summary = (
-            f"hang: all {len(waiters)} ranks are inside {where_call}, but rank {_join(frozen)} stopped "
-            f"responding (heartbeat {max(ages.values()):.0f} s old): its process is frozen (stopped, "
-            "traced, or stuck in the kernel); the others wait for it"
-        )
-        details.update(frozen_ranks=frozen, heartbeat_age=ages)
-        return [Verdict("hang.comm", "error", summary, frozen[0], call.get("caller"), details, evidence)]
     summary = (
         f"hang: all {len(waiters)} ranks wait inside {where_call} for {stalled:.0f} s with matching "
         "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
@@ -557,6 +569,8 @@ def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list
     """Ranks whose heartbeat thread stopped ticking while their peers' still tick."""
     out = []
     for r in ranks:
+        if state.ranks[r].remote:
+            continue  # another host's clock: a skew would look like a stale heartbeat
         beat = state.ranks[r].state.get("heartbeat")
         if isinstance(beat, (int, float)) and state.now - beat > stale:
             out.append(r)

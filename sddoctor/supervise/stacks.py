@@ -53,7 +53,9 @@ def ptrace_problem() -> str | None:
 
 def explain_failure(stderr: str) -> str:
     """Turn a py-spy error into a cause and a fix."""
-    text = stderr.strip().splitlines()[-1] if stderr.strip() else "py-spy failed"
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    text = (errors or lines or ["py-spy failed"])[0][:300]
     lowered = stderr.lower()
     if "permission denied" in lowered or "operation not permitted" in lowered or "eperm" in lowered:
         scope = (_read("/proc/sys/kernel/yama/ptrace_scope") or "").strip()
@@ -88,6 +90,12 @@ def dump_stacks(
 
 def _dump_one(exe: str, rank: int, pid: int, out_dir: Path, timeout: float, native: bool) -> dict[str, Any]:
     cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
+    if _process_state(pid) == "T":
+        return {
+            "ok": False,
+            "pid": pid,
+            "error": "the process is stopped (SIGSTOP or a debugger); not touched",
+        }
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -97,7 +105,11 @@ def _dump_one(exe: str, rank: int, pid: int, out_dir: Path, timeout: float, nati
         return {"ok": False, "pid": pid, "error": f"cannot run py-spy: {exc}"}
     if proc.returncode != 0:
         _resume(pid)  # py-spy can leave its target stopped when it fails mid-attach
-        return {"ok": False, "pid": pid, "error": explain_failure(proc.stderr or proc.stdout)}
+        error = explain_failure(proc.stderr or proc.stdout)
+        state = _process_state(pid)
+        if state == "T":
+            error += " (the process is stopped: SIGSTOP or a debugger; it was sent SIGCONT)"
+        return {"ok": False, "pid": pid, "error": error, "stderr": (proc.stderr or "")[-2000:]}
     try:
         threads = json.loads(proc.stdout)
     except ValueError:
@@ -119,6 +131,14 @@ def _dump_one(exe: str, rank: int, pid: int, out_dir: Path, timeout: float, nati
         "top_user_frame": top[0] if top else None,
         "top_user_function": top[1] if top else None,
     }
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, D, T, Z...)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat or ")" not in stat:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def _resume(pid: int) -> None:

@@ -199,9 +199,11 @@ class Supervisor:
                 flightrec.trigger(self.job.env, sorted(alive))
             self.stacks_problem = stacks.ptrace_problem()
             results = stacks.dump_stacks(alive, self.opts.run_dir.stacks_dir, native=self.opts.native)
-            failures = [r.get("error") for r in results.values() if not r.get("ok")]
+            failures = {r: res.get("error") for r, res in results.items() if not res.get("ok")}
             if failures and not self.stacks_problem:
-                self.stacks_problem = str(failures[0])
+                self.stacks_problem = f"{len(failures)} of {len(results)} stack dumps failed: " + "; ".join(
+                    f"rank {r}: {e}" for r, e in sorted(failures.items())
+                )
             for rank_id, result in results.items():
                 state.ranks[rank_id].stack = result
             if "nccl" in backends:
