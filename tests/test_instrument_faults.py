@@ -96,3 +96,10 @@ def test_kill_and_raise_at_a_collective(tmp_path: Path) -> None:
     (killed,) = events(tmp_path, 1, "fault")
     assert (killed["fault"], killed["seq"], killed["caller"]) == ("kill:rank=1,seq=2", 2, LOOP)
     assert not events(tmp_path, 1, "exit"), "SIGKILL leaves no exit event"
+
+
+def test_collective_faults_take_a_process_group() -> None:
+    from sddoctor.instrument.faults import parse_faults
+
+    (sleep, kill) = parse_faults("sleep:rank=1,seconds=0.5,seq=2,every=3,pg=1;kill:rank=0,seq=4,pg=0:p2p")
+    assert (sleep.get("pg"), sleep.get("every"), kill.get("pg")) == ("1", 3, "0:p2p")

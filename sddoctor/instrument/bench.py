@@ -4,7 +4,7 @@
     python -m sddoctor.instrument.bench --micro         # cost of one traced call, in microseconds
     python -m sddoctor.instrument.bench --json          # machine-readable
 
-The training benchmark alternates blocks of steps with the instrumentation on (a rank
+The training benchmark alternates blocks of steps (on, off, off, on, ...) with the instrumentation on (a rank
 session: telemetry writer, heartbeat, collective tracing, exit hooks) and off (no session,
 torch.distributed unpatched), so that drift in the machine's load hits both alike, and reports
 the median step time of each and their ratio. Each step is a DDP forward/backward/optimizer step
@@ -51,9 +51,10 @@ def _train_blocks(
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = batch
-    times: dict[str, list[float]] = {"on": [], "off": []}
+    times: dict[str, list[float]] = {"on": [], "off": [], "cpu_on": [], "cpu_off": [], "pairs": []}
 
-    def one_step(step: int) -> float:
+    def one_step(step: int) -> tuple[float, float]:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -64,21 +65,28 @@ def _train_blocks(
         if device == "cuda":
             torch.cuda.synchronize()
         sdi.step(step, loss=float(logged), samples=x.shape[0] * world)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     for _ in range(3):  # warm-up: DDP rebuilds its buckets after the first iteration
         one_step(0)
     step = 0
     for block in range(blocks):
-        mode = "on" if block % 2 == 0 else "off"
+        # on, off, off, on, ...: each mode comes first in half of the pairs, so an order effect cancels
+        mode = "on" if block % 4 in (0, 3) else "off"
         if mode == "on":
             _session_on(run_dir, rank, world)
         dist.barrier()
         for _ in range(steps):
-            times[mode].append(one_step(step))
+            wall, cpu = one_step(step)
+            times[mode].append(wall)
+            times["cpu_" + mode].append(cpu)
             step += 1
         if mode == "on":
             _session_off()
+        if block % 2 == 1:  # a pair of neighbouring blocks, one of each: drift of the load cancels
+            times["pairs"].append(
+                statistics.median(times["on"][-steps:]) / statistics.median(times["off"][-steps:])
+            )
     return times
 
 
@@ -204,7 +212,12 @@ def microbench(calls: int = 20000, rounds: int = 7) -> dict[str, Any]:
 
 def _result(name: str, times: dict[str, list[float]]) -> dict[str, Any]:
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    # CPU seconds of the whole process (all threads, ours included) per step: on a busy shared
+    # machine this is far less noisy than wall time, and the instrumentation's cost is CPU.
+    cpu_on, cpu_off = sum(times["cpu_on"]), sum(times["cpu_off"])
     return {
+        "paired_ratio_on_off": round(statistics.median(times["pairs"]), 4) if times["pairs"] else None,
+        "cpu_ratio_on_off": round(cpu_on / cpu_off, 4) if cpu_off else None,
         "name": name,
         "steps_on": len(times["on"]),
         "steps_off": len(times["off"]),
@@ -261,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             if "ratio_on_off" in r:
                 print(
                     f"{r['name']}: step {r['median_step_off_ms']} ms off, {r['median_step_on_ms']} ms on "
-                    f"-> ratio {r['ratio_on_off']} ({r['overhead_pct']:+.2f}%), {r['steps_on']}+{r['steps_off']} steps"
+                    f"-> ratio {r['ratio_on_off']} ({r['overhead_pct']:+.2f}%); median of paired block ratios "
+                    f"{r['paired_ratio_on_off']}; process CPU time ratio "
+                    f"{r['cpu_ratio_on_off']}; {r['steps_on']}+{r['steps_off']} steps"
                 )
             else:
                 print(
