@@ -47,7 +47,17 @@ def diagnose(state: RunState) -> list[Verdict]:
     if mismatch is not None:
         verdicts.append(mismatch)
     else:
-        verdicts += [v for v in diagnose_crash(state) if v.culprit_rank not in fatal_oom_ranks]
+        # Ranks that stopped because another rank ran out of memory (an agreed OOM error) are
+        # part of the OOM verdict, not crashes of their own.
+        verdicts += [
+            v
+            for v in diagnose_crash(state)
+            if not fatal_oom_ranks
+            or (
+                v.culprit_rank not in fatal_oom_ranks
+                and not _OOM_TEXT.search(str((v.details.get("exception") or {}).get("message", "")))
+            )
+        ]
     if state.hung:
         verdicts += diagnose_hang(state)
     verdicts += diagnose_straggler(state)
@@ -388,7 +398,8 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                     Verdict("oom", "error", summary, rank.rank, oom.get("caller"), details, evidence)
                 )
         exc = rank.exception
-        if not rank.ooms and exc and _OOM_TEXT.search(f"{exc.get('type')} {exc.get('message')}"):
+        any_oom_event = any(r.ooms for r in state.ranks.values())
+        if not any_oom_event and exc and _OOM_TEXT.search(f"{exc.get('type')} {exc.get('message')}"):
             verdicts.append(
                 Verdict(
                     "oom",
@@ -547,8 +558,9 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
                 f"injected fault {fault.get('fault')!r} fired on rank {culprit_rank} at {fault.get('caller')}"
             )
         kind = "hang.dataloader" if loaders else "hang.missing_rank"
+        stuck = " is stuck in its DataLoader and" if loaders else ""
         summary = (
-            f"hang: rank {culprit_rank} never reached {where_call}; {how}. "
+            f"hang: rank {culprit_rank}{stuck} never reached {where_call}; {how}. "
             f"Rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} "
             f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
         )
