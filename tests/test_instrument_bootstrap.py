@@ -175,3 +175,26 @@ def test_hot_path_microbenchmark(tmp_path: Path) -> None:
     print(f"\ntracing hot path: {result['overhead_us']} us per call; gloo all_reduce "
           f"{result['gloo_all_reduce_untraced_us']} -> {result['gloo_all_reduce_traced_us']} us")  # fmt: skip
     assert result["recorded"]["0"] > 0  # the traced calls were really traced
+
+
+def test_a_scripts_own_sigterm_handler_still_runs(tmp_path: Path) -> None:
+    code = (
+        "import signal, sys, time\n"
+        "def bye(signum, frame):\n"
+        "    print('graceful', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=_env(tmp_path, RANK="0"), stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+        proc.wait(timeout=20)
+    finally:
+        (out,) = reap([proc])
+    assert proc.returncode == 0 and "graceful" in out
+    assert events(tmp_path, 0, "exit")[-1]["status"] == "ok"

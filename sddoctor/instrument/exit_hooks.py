@@ -96,10 +96,11 @@ def _install_sigterm(grace: float) -> None:
 
     def on_sigterm(signum: int, frame: Any) -> None:
         handled.set()
-        _flush("signal", 128 + signum)
         if callable(previous):
+            _flush(None, 0)  # the script's own handler decides whether (and how) the process ends
             previous(signum, frame)
         else:
+            _flush("signal", 128 + signum)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -137,9 +138,10 @@ def _watch_signals(
             return
         if signal.SIGTERM not in data:
             continue
-        _flush("signal", 128 + signal.SIGTERM)
         if not default_action or signal.getsignal(signal.SIGTERM) is not ours:
+            _flush(None, 0)  # someone else's handler runs in the main thread and decides
             continue
+        _flush("signal", 128 + signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and not handled.is_set():
             time.sleep(0.05)
@@ -164,11 +166,15 @@ def _die_by_default_sigterm() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _flush(status: str, code: int) -> None:
+def _flush(status: str | None, code: int) -> None:
+    """Write what is buffered; with a `status`, the `exit` event too (the process is about to die)."""
     session = _installed.get("session")
     if session is None:
         return
     try:
-        session.exit_now(status, code)
+        if status is None:
+            session.writer.flush()
+        else:
+            session.exit_now(status, code)
     except Exception:  # noqa: BLE001
         pass
