@@ -436,3 +436,11 @@ def test_last_traceback_from_stderr() -> None:
         "/u/a.py:2 in main",
         "ZeroDivisionError: division by zero",
     ]
+
+
+def test_fresh_oom_waits_for_the_fallback_while_the_rank_lives() -> None:
+    oom = {"t": 15.0, "step": 3, "phase": "backward"}
+    state = RunState(now=20.0, started=0.0, ranks={1: rank(1, ooms=[oom]), 0: rank(0)})
+    assert diagnose(state) == []
+    state.now = 30.0  # no fallback 15 s later: the step did not recover
+    assert [(v.kind, v.culprit_rank) for v in diagnose(state)] == [("oom", 1)]

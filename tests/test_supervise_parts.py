@@ -168,3 +168,20 @@ def test_launcher_hints(command, kind, world, node):
     assert launcher_kind(command) == kind
     assert world_size_hint(command) == world
     assert node_rank_hint(command) == node
+
+
+@pytest.mark.parametrize(
+    "argv", [["run", "--help"], ["report", "--help"], ["report", "/nonexistent-run-dir"]]
+)
+def test_run_and_report_do_not_import_torch(argv):
+    code = (
+        "import sys; from sddoctor.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    from conftest import subprocess_env
+
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert out.returncode in (0, 2), out.stderr
+    assert "torch imported" not in out.stderr and "Traceback" not in out.stderr

@@ -369,11 +369,16 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                 ),
                 None,
             )
+            if fallback is None and not rank.exited and state.job_exit is None and state.now - t < 10.0:
+                continue  # the fallback may still be on its way: decide once it came or the rank died
             phase = oom.get("phase", "?")
-            mem = (
-                f"allocated {_gib(oom.get('mem_alloc'))}, reserved {_gib(oom.get('mem_reserved'))}"
-                f" of {_gib(oom.get('mem_total'))}"
-            )
+            if oom.get("mem_alloc") is None and oom.get("mem_total") is None:
+                mem = "no device memory figures: not on a CUDA device"
+            else:
+                mem = (
+                    f"allocated {_gib(oom.get('mem_alloc'))}, reserved {_gib(oom.get('mem_reserved'))}"
+                    f" of {_gib(oom.get('mem_total'))}"
+                )
             details = {k: oom.get(k) for k in ("step", "phase", "micro_batch", "grad_accum") if k in oom}
             details.update(
                 mem_alloc=oom.get("mem_alloc"),
@@ -394,9 +399,12 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                 )
             else:
                 summary = f"rank {rank.rank} ran out of memory in {phase} at step {oom.get('step')} ({mem})"
-                verdicts.append(
-                    Verdict("oom", "error", summary, rank.rank, oom.get("caller"), details, evidence)
-                )
+                if rank.exception:
+                    details["exception"] = {k: rank.exception.get(k) for k in ("type", "message")}
+                    details["traceback"] = rank.exception.get("traceback")
+                    summary += f"; it stopped with {rank.exception.get('type')}"
+                location = oom.get("caller") or _exception_location(rank.exception)
+                verdicts.append(Verdict("oom", "error", summary, rank.rank, location, details, evidence))
         exc = rank.exception
         any_oom_event = any(r.ooms for r in state.ranks.values())
         if not any_oom_event and exc and _OOM_TEXT.search(f"{exc.get('type')} {exc.get('message')}"):

@@ -68,6 +68,7 @@ class Job:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop_death_watch: threading.Event = field(default_factory=threading.Event)
+    _not_ranks: set[int] = field(default_factory=set)
 
     def start(self, stderr_sink: IO[str] | None = None) -> None:
         """Start the launcher in a new session; tee its stderr into `stderr_sink` and a tail."""
@@ -136,7 +137,7 @@ class Job:
         launcher_pid = self.popen.pid if self.popen else None
         candidates: dict[int, list[tuple[psutil.Process, dict[str, str]]]] = {}
         for pid, proc in list(self.descendants.items()):
-            if any(r.pid == pid for r in self.ranks.values()):
+            if pid in self._not_ranks or any(r.pid == pid for r in self.ranks.values()):
                 continue
             try:
                 if not proc.is_running():
@@ -145,6 +146,12 @@ class Job:
             except psutil.Error:
                 continue
             if environ.get("SDDOCTOR_RUN_DIR") != self.run_dir or "RANK" not in environ:
+                # Its environment will not change once it has exec'd (a fresh fork may not have yet).
+                try:
+                    if time.time() - proc.create_time() > 2.0:
+                        self._not_ranks.add(pid)
+                except psutil.Error:
+                    pass
                 continue
             try:
                 rank = int(environ["RANK"])
