@@ -1,9 +1,9 @@
 """A plain user script for the instrument tests: no sddoctor import unless it reports records.
 
 Run as a rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set). Modes:
-  trace   a tour of collectives; after each one prints `REC <json of the tracer's last call>`
+  trace   a tour of collectives; after each one prints `REC <json of the tracer's last call>`;
+          then rank 1 raises ValueError (the exception hook)
   loop    N all-reduces then a barrier (the fault tests)
-  crash   raises ValueError after one all-reduce
 """
 
 import json
@@ -52,15 +52,12 @@ if mode == "trace":
     report("subgroup")
     dist.barrier()  # @trace-barrier
     report("barrier")
+    if rank == 1:
+        raise ValueError("bad batch on rank 1")  # @crash-raise
 elif mode == "loop":
     t = torch.ones(4)
     for _ in range(int(sys.argv[2])):
         dist.all_reduce(t)  # @loop-all-reduce
     dist.barrier()  # @loop-barrier
     print(f"rank {rank} finished", flush=True)
-elif mode == "crash":
-    dist.all_reduce(torch.ones(1))
-    if rank == 1:
-        raise ValueError("bad batch on rank 1")  # @crash-raise
-    dist.barrier()
 dist.destroy_process_group()

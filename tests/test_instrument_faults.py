@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 from instrument_fixtures import collectives, events, line_of, reap, start_ranks, state, wait_for
@@ -26,8 +27,17 @@ def test_skip_leaves_the_rank_short_of_the_collective_and_the_others_waiting(tmp
         wait_for(lambda: state(tmp_path, 1)["heartbeat"] > hb, 5, "rank 1's heartbeat to tick")
         assert all(p.poll() is None for p in procs), "a skip must hang the job, not crash it"
         snaps = {r: collectives(tmp_path, r) for r in range(3)}
+        # SIGTERM reaches a rank blocked inside gloo (no Python handler can run there): it must
+        # still die promptly of SIGTERM, with its events flushed
+        started = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        procs[0].wait(timeout=10)
+        took = time.monotonic() - started
     finally:
         reap(procs)
+    assert procs[0].returncode == -signal.SIGTERM and took < 5
+    assert events(tmp_path, 0, "exit")[-1]["status"] == "signal"
+    assert events(tmp_path, 0, "exit")[-1]["code"] == 143
     for r in (0, 2):
         (c,) = snaps[r]["inflight"]
         assert (c["pg"], c["seq"], c["op"], c["caller"]) == ("0", 3, "all_reduce", LOOP)
@@ -61,7 +71,7 @@ def test_shape_makes_the_ranks_disagree_at_the_collective(tmp_path: Path) -> Non
 
 
 def test_sleep_before_a_collective_makes_the_others_wait(tmp_path: Path) -> None:
-    procs = start_ranks(tmp_path, 2, "loop", "4", fault="sleep:rank=1,seconds=1.5,seq=3")
+    procs = start_ranks(tmp_path, 2, "loop", "4", fault="sleep:rank=1,seconds=1.2,seq=3")
     try:
         for p in procs:
             p.wait(timeout=60)
@@ -70,7 +80,7 @@ def test_sleep_before_a_collective_makes_the_others_wait(tmp_path: Path) -> None
     assert [p.returncode for p in procs] == [0, 0]
     waited = [events(tmp_path, r, "collective")[-1]["ops"]["all_reduce"]["seconds"] for r in (0, 1)]
     # rank 0 sat in all_reduce #3 while rank 1 slept before issuing it
-    assert waited[0] - waited[1] > 1.0, waited
+    assert waited[0] - waited[1] > 0.8, waited
 
 
 def test_kill_and_raise_at_a_collective(tmp_path: Path) -> None:
