@@ -144,7 +144,7 @@ HANG_CASES = [
         "train.py:50",
         id="dataloader-stack",
     ),
-    pytest.param(hung(rank(0), rank(1)), "hang.unknown", None, None, id="nobody-in-a-collective"),
+    pytest.param(hung(rank(0, issued=5), rank(1, issued=5)), "hang.unknown", None, None, id="nobody-in-a-collective"),
     pytest.param(
         hung(
             rank(0, inflight=[call(7)]),
@@ -175,6 +175,11 @@ def test_no_hang_before_timeout() -> None:
     state = hung(rank(0, inflight=[call(7)]), rank(1, issued=6))
     state.last_progress = NOW - 4.0  # timeout is 5 s
     assert not [v for v in diagnose(state) if v.kind.startswith("hang")]
+
+
+def test_no_hang_while_every_rank_is_still_setting_up() -> None:
+    state = hung(rank(0), rank(1))  # snapshots, but no collective issued and no step yet
+    assert diagnose(state) == []
 
 
 def test_no_hang_after_the_job_ended() -> None:

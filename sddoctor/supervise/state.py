@@ -157,8 +157,11 @@ class RunState:
             return False
         if not any(r.state for r in self.ranks.values()):
             return False  # no rank has reported yet (still importing torch): progress is unmeasurable
-        if (self.world_size or len(self.ranks)) <= 1 and not any(
-            r.state.get("step") is not None or r.collectives.get("issued") for r in self.ranks.values()
+        if not any(
+            r.state.get("step") is not None or r.collectives.get("issued") or r.inflight for r in self.ranks.values()
         ):
-            return False  # one process that reports neither steps nor collectives: nothing to wait for
+            # Nobody has issued a collective or finished a step yet: still setting up (loading a
+            # model, reading data), which has no progress to measure. A rank stuck in the first
+            # collective counts: it has issued it.
+            return False
         return self.stalled_for >= self.hang_timeout
