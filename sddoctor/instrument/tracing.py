@@ -290,9 +290,9 @@ class Tracer:
                 rec.handle = result
                 rec.deferred = True
                 st.pending.append(rec)
-        elif on_cuda:
+        elif on_cuda and (marker := _cuda_marker()) is not None:
             st.current = None
-            rec.handle = _cuda_marker()
+            rec.handle = marker
             rec.deferred = True
             st.pending.append(rec)
         else:
@@ -668,9 +668,15 @@ def _describe(payload: Any, kind: str) -> tuple[list[Any], list[Any], bool]:
 
 
 def _cuda_marker() -> Any:
-    """A CUDA event on the current stream: it completes when the collective before it does."""
+    """A CUDA event on the current stream: it completes when the collective before it does.
+
+    None while a CUDA graph is being captured (an event recorded there would become part of the
+    graph); the call then counts as complete when it returns.
+    """
     import torch
 
+    if torch.cuda.is_current_stream_capturing():
+        return None
     event = torch.cuda.Event()
     event.record()
     return event
