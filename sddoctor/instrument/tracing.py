@@ -434,7 +434,16 @@ class Tracer:
                 if rec.t1 is None:
                     inflight.append(rec.as_dict(now))
         inflight.sort(key=lambda d: d["since"])
-        out: dict[str, Any] = {"inflight": inflight, "issued": issued}
+        stats = dict(self.op_stats)
+        out: dict[str, Any] = {
+            "inflight": inflight,
+            "issued": issued,
+            # cumulative time inside completed collectives: a straggler waits least
+            "totals": {
+                "count": int(sum(v[0] for v in stats.values())),
+                "seconds": round(sum(v[1] for v in stats.values()), 6),
+            },
+        }
         last = self.last_done
         if last is not None:
             out["last_done"] = last.as_dict()
