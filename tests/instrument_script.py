@@ -47,6 +47,12 @@ if mode == "trace":
     elif rank == 1:
         dist.recv(torch.zeros(3), src=0)  # @trace-recv
     report("p2p")
+    peer = 1 - rank
+    ops = [dist.P2POp(dist.isend, torch.ones(2), peer), dist.P2POp(dist.irecv, torch.zeros(2), peer)]
+    for work in dist.batch_isend_irecv(ops):  # @trace-batch
+        work.wait()
+    time.sleep(1.6)
+    report("batch")
     sub = dist.new_group([0, 1])
     dist.all_reduce(torch.ones(1), group=sub)  # @trace-subgroup
     report("subgroup")

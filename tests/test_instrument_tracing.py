@@ -46,6 +46,14 @@ def test_trace_records_seq_op_shapes_and_caller(tmp_path: Path) -> None:
         assert p2p["rec"]["peer"] == (1 if rank == 0 else 0)
         assert p2p["rec"]["caller"] == line_of("trace-send" if rank == 0 else "trace-recv")
         assert p2p["issued"] == {"0": 4, "0:p2p": 1}
+        batch = r["batch"]["rec"]  # P2POp built with the traced isend/irecv still works
+        assert (batch["pg"], batch["seq"], batch["op"], batch["async"]) == (
+            "0:p2p",
+            2,
+            "batch_isend_irecv",
+            True,
+        )
+        assert batch["shapes"] == [[2], [2]] and batch["caller"] == line_of("trace-batch")
         sub = r["subgroup"]["rec"]
         assert sub["pg"] != "0" and sub["seq"] == 1 and sub["caller"] == line_of("trace-subgroup")
         bar = r["barrier"]
@@ -56,7 +64,7 @@ def test_trace_records_seq_op_shapes_and_caller(tmp_path: Path) -> None:
         assert snap["collectives"]["issued"]["0"] == 5 and snap["collectives"]["inflight"] == []
         assert isinstance(snap["heartbeat"], float)
         summary = events(tmp_path, rank, "collective")[-1]
-        assert summary["ops"]["all_reduce"]["count"] == 3 and summary["count"] == 7
+        assert summary["ops"]["all_reduce"]["count"] == 3 and summary["count"] == 8
         assert [e["kind"] for e in events(tmp_path, rank)][-1] == "exit"
     # rank 1 ends with an uncaught exception: recorded with its caller, flushed before it died
     assert events(tmp_path, 0, "exit")[-1]["status"] == "ok" and not events(tmp_path, 0, "exception")

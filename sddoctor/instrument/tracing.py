@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sddoctor.instrument.faults import Fault
@@ -60,6 +60,11 @@ class OpSpec:
     payload: str | None  # parameter holding the tensor (or list) whose shape is recorded
     kind: str = "coll"  # "coll" | "p2p" | "batch" | "object"
     peer: str | None = None  # dst/src parameter of p2p ops
+    #: numbered apart from the group's collectives (only two ranks take part); set from `kind`
+    p2p: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "p2p", self.kind in ("p2p", "batch"))
 
 
 _SPECS: tuple[OpSpec, ...] = (
@@ -215,10 +220,13 @@ class Tracer:
             group = kwargs["group"]
         else:
             group = args[gi] if 0 <= gi < len(args) else None
+        p2p = spec.p2p
+        if spec.kind == "batch":  # batch_isend_irecv: numbered with the p2p ops of its group
+            ops = kwargs["p2p_op_list"] if "p2p_op_list" in kwargs else (args[0] if args else None)
+            group = getattr(ops[0], "group", None) if ops else None
         st = self._groups.get(group)
         if st is None:
             st = self._new_group(group)
-        p2p = spec.kind == "p2p"
         seq = (st.p2p_seq if p2p else st.seq) + 1
         frame = sys._getframe(2)
         while frame is not None:
@@ -338,7 +346,7 @@ class Tracer:
         caller = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
         if self._hold_next:
             self._hold(caller)
-        key = st.name + ":p2p" if spec.kind == "p2p" else st.name
+        key = st.name + ":p2p" if spec.p2p else st.name
         default_name = self._default_name()
         for fault in self._faults:
             want = str(fault.get("pg") or default_name)
