@@ -137,7 +137,8 @@ def test_is_rank_process(env: dict[str, str], argv: list[str], expected: bool) -
 def test_rank_environment_keeps_user_settings(tmp_path: Path) -> None:
     env = rank_environment(tmp_path, {"PYTHONPATH": "/user/lib", "TORCH_NCCL_TRACE_BUFFER_SIZE": "50"})
     paths = env["PYTHONPATH"].split(os.pathsep)
-    assert paths[0] == str(bootstrap_dir()) and paths[-1] == "/user/lib"
+    # ours first (our sitecustomize must win), the user's next, this checkout last
+    assert paths[:2] == [str(bootstrap_dir()), "/user/lib"] and paths[2] == str(REPO_ROOT)
     assert (bootstrap_dir() / "sitecustomize.py").is_file()
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path.resolve() / "stacks" / "nccl_trace_rank_")

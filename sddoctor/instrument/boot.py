@@ -40,17 +40,20 @@ def rank_environment(
 ) -> dict[str, str]:
     """Variables the supervisor merges into the job's environment (before it starts).
 
-    PYTHONPATH gains the bootstrap directory and the directory sddoctor is imported from,
-    in front of what `environ` (default: os.environ) has. NCCL flight recorder variables the
-    user set already are kept.
+    PYTHONPATH gets the bootstrap directory in front of what `environ` (default: os.environ)
+    has, and the directory sddoctor is imported from at the end (so that a checkout works
+    without installing, while the user's own entries keep their precedence; an installed
+    sddoctor's site-packages is not added). NCCL flight recorder variables the user set
+    already are kept.
     """
     env = os.environ if environ is None else environ
-    package_root = str(Path(__file__).resolve().parents[2])
-    paths = [str(bootstrap_dir()), package_root]
-    existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in paths]
+    first = str(bootstrap_dir())
+    package_root = Path(__file__).resolve().parents[2]
+    last = [] if package_root.name in ("site-packages", "dist-packages") else [str(package_root)]
+    existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != first and p not in last]
     out = {
         RUN_DIR_ENV: str(Path(run_dir).resolve()),
-        "PYTHONPATH": os.pathsep.join(paths + existing),
+        "PYTHONPATH": os.pathsep.join([first, *existing, *last]),
     }
     for key, value in recorder_environment(Path(run_dir).resolve()).items():
         out[key] = env.get(key) or value
