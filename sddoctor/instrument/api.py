@@ -61,6 +61,8 @@ class RankSession:
         # nothing is written: another process may be buffering under the same provisional rank.
         self.rank_known = rank_known
         self.writer = TelemetryWriter(run_dir, rank, start_thread=rank_known)
+        if not rank_known:
+            atexit.unregister(self.writer.close)  # it must not flush under the provisional rank
         self.current_step: int | None = None
         self.tracer: Any = None
         self.heartbeat: Any = None
