@@ -199,3 +199,11 @@ def test_a_scripts_own_sigterm_handler_still_runs(tmp_path: Path) -> None:
         (out,) = reap([proc])
     assert proc.returncode == 0 and "graceful" in out
     assert events(tmp_path, 0, "exit")[-1]["status"] == "ok"
+
+
+def test_a_single_process_without_rank_env_writes_as_rank_0(tmp_path: Path) -> None:
+    code = "import sys\nfrom sddoctor.instrument import api\napi.enable(sys.argv[1])\napi.step(0, loss=1.5)\n"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=subprocess_env(), capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert [e["kind"] for e in events(tmp_path, 0)] == ["start", "step", "exit"]

@@ -59,6 +59,7 @@ class RankSession:
         self.faults = [f for f in faults if f.applies_to(rank)]
         # Until the rank is known (no RANK in the environment, init_process_group not called yet)
         # nothing is written: another process may be buffering under the same provisional rank.
+        # init_process_group, the first step, or the end settles it (see _settle_rank).
         self.rank_known = rank_known
         self.writer = TelemetryWriter(run_dir, rank, start_thread=rank_known)
         if not rank_known:
@@ -73,14 +74,32 @@ class RankSession:
         self._closed = False
         self.writer.update_state(local_rank=local_rank, world_size=world_size, status="running")
 
+    def _settle_rank(self) -> None:
+        """Training has begun and the rank is still unknown: take the process group's, else 0.
+
+        No RANK in the environment means mp.spawn-style (the group tells the rank once it
+        exists) or a single process (rank 0); by the first step the group exists if there is one.
+        """
+        rank, known = _initialized_rank()
+        if known:
+            import torch.distributed as dist
+
+            self.set_rank(rank, dist.get_world_size())
+        else:
+            self.set_rank(0)
+
     def step(self, step: int, **fields: Any) -> None:
         """Record a finished step (fields: loss, samples, step_time, micro_batch, ...) and fire step faults."""
+        if not self.rank_known:
+            self._settle_rank()
         self.writer.emit(EventKind.STEP, step=step, **fields)
         self.writer.update_state(step=step, last_step=dict(fields, step=step, t=time.time()))
         self.begin_step(step + 1)
 
     def begin_step(self, step: int) -> None:
         """Mark the start of `step`; fires faults bound to it. `step()` calls this for the next step."""
+        if not self.rank_known:
+            self._settle_rank()
         self.current_step = step
         for fault in self.faults:
             self._maybe_fire(fault, step)
@@ -132,7 +151,9 @@ class RankSession:
     def exit_now(self, status: str, code: int | None) -> None:
         """Write the `exit` event and flush now: the process is about to die without atexit."""
         self.mark_exit(status, code)
-        if self._exit_written or not self.rank_known:
+        if not self.rank_known:
+            self._settle_rank()
+        if self._exit_written:
             return
         self._exit_written = True
         status, code = self._exit  # type: ignore[misc]
@@ -170,6 +191,7 @@ class RankSession:
             self.heartbeat.writer = new
         if self.tracer is not None:
             self.tracer.rank = rank
+            self.tracer.set_faults(self.all_faults)
 
     def enable_fatal_dump(self) -> None:
         """Python stacks of a fatal signal (SIGABRT, SIGSEGV) go to ranks/rank-NNNNN.fatal."""
@@ -219,8 +241,6 @@ class RankSession:
         rank, world = dist.get_rank(), dist.get_world_size()
         if not self.rank_known:
             self.set_rank(rank, world)
-            if self.tracer is not None:
-                self.tracer.set_faults(self.all_faults)
         elif world != self.world_size:
             self.world_size = world
             self.writer.update_state(world_size=world)
@@ -235,10 +255,10 @@ class RankSession:
         self._closed = True
         if self._exit is not None:
             status, code = self._exit
+        if not self.rank_known:
+            self._settle_rank()  # a single process that never reported a step
         if self.heartbeat is not None:
             self.heartbeat.close()
-        if not self.rank_known:
-            return  # never learned which rank it is: write nothing rather than clobber rank 0
         if not self._exit_written:
             self._exit_written = True
             self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step)
