@@ -26,7 +26,7 @@ dist.destroy_process_group()
 PY
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 {
-  echo "GPUs: $NGPU; torch $(python -c 'import torch; print(torch.__version__, torch.cuda.nccl.version())')"
+  echo "GPUs: $NGPU; torch $(python -c 'import torch; print(torch.__version__, torch.version.cuda)')"
   echo "py-spy: $(py-spy --version 2>&1)"
 } > "$OUT/summary.txt"
 if [ "$NGPU" -lt 2 ]; then echo "need 2 GPUs" >> "$OUT/summary.txt"; exit 0; fi
