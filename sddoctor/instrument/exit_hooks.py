@@ -95,12 +95,15 @@ def _install_sigterm(grace: float) -> None:
     handled = threading.Event()
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        handled.set()
         if callable(previous):
+            handled.set()
             _flush(None, 0)  # the script's own handler decides whether (and how) the process ends
             previous(signum, frame)
         else:
+            # `handled` only after the flush: if it blocks (the signal interrupted a flush on this
+            # thread), the watcher thread still ends the process after its grace period
             _flush("signal", 128 + signum)
+            handled.set()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
