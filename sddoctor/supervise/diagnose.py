@@ -145,7 +145,7 @@ def _death_time(rank: RankState) -> float:
     return float("inf")
 
 
-def _rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
+def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
     """The best-known exit of a rank: its own record, else what the launcher reported."""
     exit_info = dict(rank.exit) if rank.exit else None
     for failure in state.launcher_failures:
@@ -181,7 +181,7 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
     """The rank that died first and why; the others that followed are named but not blamed."""
     candidates: list[tuple[RankState, dict[str, Any] | None]] = []
     for rank in state.ranks.values():
-        exit_info = _rank_exit(rank, state)
+        exit_info = rank_exit(rank, state)
         if _abnormal(exit_info) or rank.exception is not None:
             if state.stopped_at is not None and _death_time(rank) >= state.stopped_at - 0.5:
                 continue  # sddoctor stopped it (or it fell over while being stopped)
@@ -554,7 +554,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         elif rank.exited:
             fault = _fault_of(rank, ("skip",))
             location = (fault or {}).get("caller") or _exception_location(rank.exception) or _where(rank)[0]
-            how = f"it {describe_exit(_rank_exit(rank, state))}"
+            how = f"it {describe_exit(rank_exit(rank, state))}"
         else:
             location, how = _where(rank)
             fault = _fault_of(rank, ("skip",))

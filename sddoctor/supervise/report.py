@@ -136,13 +136,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     out += [
         "## Ranks",
         "",
-        "| rank | pid | alive | step | phase | exit | stack top |",
-        "|---|---|---|---|---|---|---|",
+        "| rank | pid | alive | step | phase | last collective | in flight | exit | stack top |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in (report.get("ranks") or {}).items():
         stack = r.get("stack") or {}
+        colls = r.get("collectives") or {}
+        done = colls.get("last_done") or {}
+        last = f"{done.get('op')} #{done.get('seq')} ({done.get('caller')})" if done else ""
+        inflight = ", ".join(
+            f"{c.get('op')} #{c.get('seq')}" for c in colls.get("inflight") or [] if isinstance(c, dict)
+        )
         out.append(
-            f"| {key} | {r.get('pid')} | {r.get('alive')} | {r.get('step')} | {r.get('phase')} "
+            f"| {key} | {r.get('pid')} | {r.get('alive')} | {r.get('step')} | {r.get('phase')} | {last} | {inflight} "
             f"| {_exit_text(r.get('exit'))} | {stack.get('top_user_frame') or stack.get('error') or ''} |"
         )
     problem = (report.get("stacks") or {}).get("problem")
@@ -159,4 +165,6 @@ def _exit_text(exit_info: Any) -> str:
         return ""
     if exit_info.get("signal"):
         return f"signal {exit_info['signal']}"
+    if exit_info.get("code") is None:
+        return "gone" if exit_info.get("unclean") or exit_info.get("t") else ""
     return f"code {exit_info.get('code')}"

@@ -158,7 +158,8 @@ class RunState:
         if not any(r.state for r in self.ranks.values()):
             return False  # no rank has reported yet (still importing torch): progress is unmeasurable
         if not any(
-            r.state.get("step") is not None or r.collectives.get("issued") or r.inflight for r in self.ranks.values()
+            r.state.get("step") is not None or r.collectives.get("issued") or r.inflight
+            for r in self.ranks.values()
         ):
             # Nobody has issued a collective or finished a step yet: still setting up (loading a
             # model, reading data), which has no progress to measure. A rank stuck in the first

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import diagnose
+from sddoctor.supervise.diagnose import diagnose, rank_exit
 from sddoctor.supervise.http import StateServer
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import build_report, rank_summary, write_report
@@ -239,6 +239,9 @@ class Supervisor:
         state.world_size = state.world_size or self.opts.run_info.get("world_size")
         state.stderr_tail = list(self.job.stderr_tail)
         state.launcher_failures = parse_launcher_failures(state.stderr_tail)
+        for rank in state.ranks.values():
+            if rank.exit is not None or any(f.get("rank") == rank.rank for f in state.launcher_failures):
+                rank.exit = rank_exit(rank, state)  # the launcher's word on signals, for the report
         state.job_exit = {"code": self.job.exit_code, "t": self.job.exit_time}
         state.stopped_by_supervisor = self.stopped_by
         state.stopped_at = self.stopped_at
