@@ -12,7 +12,7 @@ _LAUNCHER_NAMES = ("torchrun", "accelerate", "torch.distributed.run", "torch.dis
 
 
 def launcher_kind(command: list[str]) -> str:
-    """'torchrun', 'accelerate', or 'python' (a plain script: one rank, the launcher itself)."""
+    """'torchrun', 'accelerate', 'python' (a plain script: one rank, the launcher itself) or 'other'."""
     words = [os.path.basename(w) for w in command[:4]]
     if "accelerate" in words:
         return "accelerate"
@@ -20,7 +20,9 @@ def launcher_kind(command: list[str]) -> str:
         w in ("torch.distributed.run", "torch.distributed.launch") for w in command[:4]
     ):
         return "torchrun"
-    return "python"
+    if words and words[0].startswith("python"):
+        return "python"
+    return "other"  # a shell script or another launcher: ranks are found by their environment
 
 
 def _option(command: list[str], *names: str) -> str | None:
@@ -50,6 +52,8 @@ def world_size_hint(command: list[str]) -> int | None:
     args = _launcher_args(command)
     if kind == "python":
         return 1
+    if kind == "other":
+        return None
     if kind == "accelerate":
         n = _option(args, "--num_processes", "--num-processes")
         return int(n) if n and n.isdigit() else None

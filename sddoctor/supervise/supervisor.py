@@ -154,8 +154,13 @@ class Supervisor:
             self.watcher.merge_remote(peer_state.get("ranks") or {}, now)
         launcher = self.job.popen.pid if self.job.popen else None
         for rank in self.watcher.ranks.values():
-            if rank.pid is not None and rank.pid in self.job.descendants and rank.rank not in self.job.ranks:
-                self.job.add_rank(rank.rank, rank.pid)
+            known = self.job.ranks.get(rank.rank)
+            if (
+                rank.pid is not None
+                and rank.pid in self.job.descendants
+                and (known is None or known.pid != rank.pid)
+            ):
+                self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
         if self.opts.run_info.get("launcher") == "python" and launcher and 0 not in self.job.ranks:
             self.job.add_rank(0, launcher)
         for rank_id, proc in self.job.ranks.items():
