@@ -59,10 +59,13 @@ def run_supervised(
     env: dict[str, str] | None = None,
     timeout: float = 90.0,
     interrupt_when_ranks: int | None = None,
+    interrupt_when_file: Path | None = None,
+    stop_signal: int = signal.SIGINT,
 ) -> Supervised:
     """Run `sddoctor run OPTIONS -- JOB`; fail if any process it started outlives it.
 
-    With `interrupt_when_ranks=N`, send SIGINT (Ctrl-C) once N ranks have written a state snapshot.
+    With `interrupt_when_ranks=N`, send `stop_signal` (default SIGINT, Ctrl-C) once N ranks have
+    written a state snapshot; with `interrupt_when_file`, once that file exists.
     """
     run_dir = tmp_path / "run"
     extra = dict(env or {})
@@ -85,8 +88,11 @@ def run_supervised(
                 pass
             if interrupt_when_ranks and not interrupted:
                 if len(list((run_dir / "ranks").glob("*.state"))) >= interrupt_when_ranks:
-                    proc.send_signal(signal.SIGINT)
+                    proc.send_signal(stop_signal)
                     interrupted = True
+            if interrupt_when_file is not None and not interrupted and interrupt_when_file.exists():
+                proc.send_signal(stop_signal)
+                interrupted = True
             if time.monotonic() > deadline:
                 raise AssertionError(f"sddoctor run did not finish in {timeout} s: {cmd}")
             time.sleep(0.1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -133,6 +134,39 @@ def test_ctrl_c_stops_the_whole_job(tmp_path):
     assert res.report["outcome"] == "interrupted"
     assert res.verdicts("crash") == []
     assert len(res.seen_pids) >= 3  # the launcher and two ranks were really running
+
+
+def test_sigterm_stops_the_job_with_143(tmp_path):
+    ready = tmp_path / "ready"
+    script = tmp_path / "long.py"
+    script.write_text(f"import pathlib, time\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)\n")
+    res = run_supervised(
+        tmp_path,
+        [sys.executable, str(script)],
+        options=(),
+        interrupt_when_file=ready,
+        stop_signal=signal.SIGTERM,
+    )
+    assert res.returncode == 143
+    assert res.report["outcome"] == "interrupted" and res.verdicts("crash") == []
+
+
+def test_orphans_of_a_dead_launcher_are_killed(tmp_path):
+    # The launcher starts a worker in a session of its own, then dies of SIGKILL: the worker is
+    # re-parented to sddoctor (child subreaper) and must still be stopped.
+    worker = "import os, time; os.setsid(); time.sleep(120)"
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}])\n"
+        "time.sleep(1.5)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    res = run_supervised(tmp_path, [sys.executable, str(launcher)], options=())
+    assert res.returncode == 128 + 9
+    assert len(res.seen_pids) >= 2  # the worker was seen, and (checked by the helper) is gone
+    (v,) = res.verdicts("crash")
+    assert "SIGKILL" in v["summary"]
 
 
 def test_plain_python_script_crash_and_json(tmp_path):
