@@ -144,7 +144,9 @@ HANG_CASES = [
         "train.py:50",
         id="dataloader-stack",
     ),
-    pytest.param(hung(rank(0, issued=5), rank(1, issued=5)), "hang.unknown", None, None, id="nobody-in-a-collective"),
+    pytest.param(
+        hung(rank(0, issued=5), rank(1, issued=5)), "hang.unknown", None, None, id="nobody-in-a-collective"
+    ),
     pytest.param(
         hung(
             rank(0, inflight=[call(7)]),
@@ -449,3 +451,19 @@ def test_fresh_oom_waits_for_the_fallback_while_the_rank_lives() -> None:
     assert diagnose(state) == []
     state.now = 30.0  # no fallback 15 s later: the step did not recover
     assert [(v.kind, v.culprit_rank) for v in diagnose(state)] == [("oom", 1)]
+
+
+def ddp_rank(r: int, wait_per_step: float, period: float = 0.5, n: int = 10) -> RankState:
+    """A DDP rank with only comm-hook counters: one step per `period`, `wait_per_step` inside buckets."""
+    samples = [(NOW - 20 + i * period, 4.0 * i, wait_per_step * i, float(i)) for i in range(n)]
+    return RankState(rank=r, state={"t": NOW}, alive=True, ddp_samples=samples)
+
+
+def test_ddp_straggler_from_comm_hook_counters() -> None:
+    ranks = [ddp_rank(0, 0.40), ddp_rank(1, 0.02), ddp_rank(2, 0.41)]
+    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW)
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert v.culprit_rank == 1
+    balanced = [ddp_rank(0, 0.02), ddp_rank(1, 0.03)]
+    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in balanced}, last_progress=NOW)
+    assert [v for v in diagnose(state) if v.kind == "straggler"] == []

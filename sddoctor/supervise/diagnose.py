@@ -722,7 +722,27 @@ def rank_timing(rank: RankState, since: float | None = None) -> dict[str, float]
         }
         if best is None or timing["samples"] > best["samples"]:
             best = timing
-    return best
+    return best or ddp_timing(rank, since)
+
+
+def ddp_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
+    """Per training step, from the DDP comm hook counters: period, time inside bucket all-reduces,
+    compute = period - inside. For DDP jobs whose only collectives are the gradient buckets."""
+    samples = [s for s in rank.ddp_samples if since is None or s[0] >= since]
+    if len(samples) < 3:
+        return None
+    (t0, _, sec0, step0), (t1, _, sec1, step1) = samples[0], samples[-1]
+    steps = step1 - step0
+    if steps <= 0 or t1 <= t0:
+        return None
+    period = (t1 - t0) / steps
+    inside = max(0.0, sec1 - sec0) / steps
+    return {
+        "period": period,
+        "inside": inside,
+        "compute": max(0.0, period - inside),
+        "samples": float(len(samples)),
+    }
 
 
 def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
@@ -733,7 +753,8 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
     """
     # The window ends at the latest sighting, not at `now`: a finished run is judged on its end.
     latest = max(
-        (a.enqueue for r in state.ranks.values() for s in r.arrivals.values() for a in s.values()),
+        [a.enqueue for r in state.ranks.values() for s in r.arrivals.values() for a in s.values()]
+        + [s[0] for r in state.ranks.values() for s in r.ddp_samples],
         default=state.now,
     )
     since = min(state.now, latest) - window

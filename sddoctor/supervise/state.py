@@ -85,8 +85,9 @@ class RankState:
     arrivals: dict[str, dict[int, Arrival]] = field(default_factory=dict)
     #: Watched by another node's supervisor (`--peers`); its snapshot arrives over HTTP.
     remote: bool = False
-    #: Cumulative DDP bucket samples: list of (t, buckets, seconds) from snapshots.
-    ddp_samples: list[tuple[float, float, float]] = field(default_factory=list)
+    #: DDP comm hook counters from snapshots: (t, buckets, seconds inside bucket all-reduces, step),
+    #: all cumulative.
+    ddp_samples: list[tuple[float, float, float, float]] = field(default_factory=list)
 
     @property
     def collectives(self) -> dict[str, Any]:

@@ -134,9 +134,10 @@ class Watcher:
             if isinstance(c, dict):
                 self._sight(rank, c, enqueue=c.get("since"), duration=c.get("duration"))
         ddp = colls.get("ddp")
-        if isinstance(ddp, dict) and isinstance(t, (int, float)):
+        step = snap.get("step")
+        if isinstance(ddp, dict) and isinstance(t, (int, float)) and isinstance(step, (int, float)):
             rank.ddp_samples.append(
-                (float(t), float(ddp.get("buckets") or 0), float(ddp.get("seconds") or 0.0))
+                (float(t), float(ddp.get("buckets") or 0), float(ddp.get("seconds") or 0.0), float(step))
             )
             del rank.ddp_samples[:-120]
         key = (
