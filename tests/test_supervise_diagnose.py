@@ -467,3 +467,15 @@ def test_ddp_straggler_from_comm_hook_counters() -> None:
     balanced = [ddp_rank(0, 0.02), ddp_rank(1, 0.03)]
     state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in balanced}, last_progress=NOW)
     assert [v for v in diagnose(state) if v.kind == "straggler"] == []
+
+
+def totals_rank(r: int, inside: float, period: float = 0.3, n: int = 8) -> RankState:
+    samples = [(NOW - 10 + i, i / period, i / period * inside) for i in range(n)]  # one sample a second
+    return RankState(rank=r, state={"t": NOW}, alive=True, totals_samples=samples)
+
+
+def test_straggler_from_tracer_totals() -> None:
+    ranks = [totals_rank(0, 0.25), totals_rank(1, 0.01)]
+    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW)
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert v.culprit_rank == 1 and v.details["timings"]["0"]["inside"] == pytest.approx(0.25)

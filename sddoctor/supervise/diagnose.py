@@ -704,6 +704,9 @@ def rank_timing(rank: RankState, since: float | None = None) -> dict[str, float]
     Uses sparse sightings: two sightings of seqs k1 < k2 at enqueue times t1 < t2 give the mean
     period (t2 - t1) / (k2 - k1), whatever happened in between.
     """
+    exact = totals_timing(rank, since)
+    if exact is not None:
+        return exact
     best: dict[str, float] | None = None
     for sightings in rank.arrivals.values():
         items = sorted((seq, a) for seq, a in sightings.items() if since is None or a.enqueue >= since)
@@ -723,6 +726,25 @@ def rank_timing(rank: RankState, since: float | None = None) -> dict[str, float]
         if best is None or timing["samples"] > best["samples"]:
             best = timing
     return best or ddp_timing(rank, since)
+
+
+def totals_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
+    """Per collective, from the tracer's cumulative totals (count, seconds inside): exact means."""
+    samples = [s for s in rank.totals_samples if since is None or s[0] >= since]
+    if len(samples) < 3:
+        return None
+    (t0, n0, sec0), (t1, n1, sec1) = samples[0], samples[-1]
+    count = n1 - n0
+    if count < 3 or t1 <= t0:
+        return None
+    period = (t1 - t0) / count
+    inside = max(0.0, sec1 - sec0) / count
+    return {
+        "period": period,
+        "inside": inside,
+        "compute": max(0.0, period - inside),
+        "samples": float(len(samples)),
+    }
 
 
 def ddp_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
@@ -754,7 +776,8 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
     # The window ends at the latest sighting, not at `now`: a finished run is judged on its end.
     latest = max(
         [a.enqueue for r in state.ranks.values() for s in r.arrivals.values() for a in s.values()]
-        + [s[0] for r in state.ranks.values() for s in r.ddp_samples],
+        + [s[0] for r in state.ranks.values() for s in r.ddp_samples]
+        + [s[0] for r in state.ranks.values() for s in r.totals_samples],
         default=state.now,
     )
     since = min(state.now, latest) - window

@@ -85,6 +85,8 @@ class RankState:
     arrivals: dict[str, dict[int, Arrival]] = field(default_factory=dict)
     #: Watched by another node's supervisor (`--peers`); its snapshot arrives over HTTP.
     remote: bool = False
+    #: Traced-collective totals from snapshots: (t, count, seconds inside), cumulative.
+    totals_samples: list[tuple[float, float, float]] = field(default_factory=list)
     #: DDP comm hook counters from snapshots: (t, buckets, seconds inside bucket all-reduces, step),
     #: all cumulative.
     ddp_samples: list[tuple[float, float, float, float]] = field(default_factory=list)
