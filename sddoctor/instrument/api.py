@@ -8,12 +8,18 @@
 
 Every function is a cheap no-op when no session is active, so instrumented code runs
 unchanged outside `sddoctor run`. A session owns this rank's TelemetryWriter and fires the
-step-triggered faults of SDDOCTOR_FAULT (kill, raise, sleep); collective-triggered faults and
-the OOM fault belong to the collective tracer and the OOM guard.
+step-triggered faults of SDDOCTOR_FAULT (kill, raise, sleep); collective-triggered faults
+(`seq=`, skip, shape) are fired by the collective tracer through `RankSession.fire_fault`, and the
+OOM fault belongs to the OOM guard.
+
+With `trace=True` (the default) the session also traces torch.distributed collectives, runs the
+heartbeat thread, and records the uncaught exception and SIGTERM (see `tracing`, `heartbeat`,
+`exit_hooks`). If torch is not imported yet, tracing is installed when torch.distributed is.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -36,26 +42,64 @@ class RankSession:
     """Telemetry and step-level fault injection of one rank process."""
 
     def __init__(
-        self, run_dir: RunDir, rank: int, local_rank: int, world_size: int, faults: list[Fault]
+        self,
+        run_dir: RunDir,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        faults: list[Fault],
+        *,
+        rank_known: bool = True,
     ) -> None:
         self.run_dir = run_dir
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
+        self.all_faults = list(faults)
         self.faults = [f for f in faults if f.applies_to(rank)]
-        self.writer = TelemetryWriter(run_dir, rank)
+        # Until the rank is known (no RANK in the environment, init_process_group not called yet)
+        # nothing is written: another process may be buffering under the same provisional rank.
+        # init_process_group, the first step, or the end settles it (see _settle_rank).
+        self.rank_known = rank_known
+        self.writer = TelemetryWriter(run_dir, rank, start_thread=rank_known)
+        if not rank_known:
+            atexit.unregister(self.writer.close)  # it must not flush under the provisional rank
         self.current_step: int | None = None
+        self.tracer: Any = None
+        self.heartbeat: Any = None
         self._fired: set[str] = set()
+        self._exit: tuple[str, int | None] | None = None
+        self._exit_written = False
+        self._fatal_dump = False
+        self._closed = False
         self.writer.update_state(local_rank=local_rank, world_size=world_size, status="running")
+
+    def _settle_rank(self) -> None:
+        """Training has begun and the rank is still unknown: take the process group's, else 0.
+
+        No RANK in the environment means mp.spawn-style (the group tells the rank once it
+        exists) or a single process (rank 0); by the first step the group exists if there is one.
+        """
+        rank, known = _initialized_rank()
+        if known:
+            import torch.distributed as dist
+
+            self.set_rank(rank, dist.get_world_size())
+        else:
+            self.set_rank(0)
 
     def step(self, step: int, **fields: Any) -> None:
         """Record a finished step (fields: loss, samples, step_time, micro_batch, ...) and fire step faults."""
+        if not self.rank_known:
+            self._settle_rank()
         self.writer.emit(EventKind.STEP, step=step, **fields)
         self.writer.update_state(step=step, last_step=dict(fields, step=step, t=time.time()))
         self.begin_step(step + 1)
 
     def begin_step(self, step: int) -> None:
         """Mark the start of `step`; fires faults bound to it. `step()` calls this for the next step."""
+        if not self.rank_known:
+            self._settle_rank()
         self.current_step = step
         for fault in self.faults:
             self._maybe_fire(fault, step)
@@ -70,20 +114,155 @@ class RankSession:
             if at is None or step == at or (every and step >= at and (step - at) % every == 0):
                 time.sleep(float(fault.get("seconds")))  # type: ignore[arg-type]
             return
-        if fault.kind not in ("kill", "raise") or at != step or fault.spec in self._fired:
+        if fault.kind not in ("kill", "raise") or at != step or fault.get("seq") is not None:
             return
+        if fault.spec in self._fired:
+            return
+        self.fire_fault(fault, step=step, caller=_caller())
+
+    def fire_fault(self, fault: Fault, /, **where: Any) -> None:
+        """Fire a kill/raise fault now: a `fault` event (flushed), then the signal or the exception."""
         self._fired.add(fault.spec)
-        caller = _caller()
-        self.writer.emit(EventKind.FAULT, fault=fault.spec, step=step, caller=caller)
+        self.writer.emit(EventKind.FAULT, **{**where, "fault": fault.spec})
         self.writer.flush()
         if fault.kind == "kill":
             os.kill(os.getpid(), int(fault.get("signal", signal.SIGKILL)))  # type: ignore[arg-type]
             time.sleep(5)  # a catchable signal may return; give it time to act
-        raise InjectedFault(str(fault.get("message") or f"injected fault {fault.spec!r} at step {step}"))
+        at = f"step {where['step']}" if "step" in where else f"collective #{where.get('seq')}"
+        raise InjectedFault(str(fault.get("message") or f"injected fault {fault.spec!r} at {at}"))
 
-    def close(self, status: str = "ok", code: int = 0) -> None:
+    def record_exception(self, exc: BaseException, tb: Any) -> None:
+        """An `exception` event for an uncaught exception, flushed at once (the process is dying)."""
+        from sddoctor.instrument.exit_hooks import exception_fields
+
+        fields = exception_fields(exc, tb)
+        failed = getattr(self.tracer, "last_failed", None)
+        if failed is not None and time.time() - failed.t1 < 5.0:
+            fields["collective"] = failed.as_dict()  # the exception came out of this collective
+        self.writer.emit(EventKind.EXCEPTION, step=self.current_step, **fields)
+        self.mark_exit("error", 1)
+        self.writer.flush()
+
+    def mark_exit(self, status: str, code: int | None) -> None:
+        """Remember how the process ends; the `exit` event is written once, at close."""
+        if self._exit is None or self._exit[0] == "ok":
+            self._exit = (status, code)
+
+    def exit_now(self, status: str, code: int | None) -> None:
+        """Write the `exit` event and flush now: the process is about to die without atexit."""
+        self.mark_exit(status, code)
+        if not self.rank_known:
+            self._settle_rank()
+        if self._exit_written:
+            return
+        self._exit_written = True
+        status, code = self._exit  # type: ignore[misc]
         self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step)
         self.writer.update_state(status="exited")
+        self.writer.flush()
+
+    def set_rank(self, rank: int, world_size: int | None = None) -> None:
+        """Learn the global rank once the process group knows it (events move to the right file)."""
+        if world_size is not None:
+            self.world_size = world_size
+            self.writer.update_state(world_size=world_size)
+        if self.rank_known and rank == self.rank:
+            return
+        old = self.writer
+        new = TelemetryWriter(self.run_dir, rank, start_thread=True)
+        atexit.unregister(new.close)  # the session closes it, after its own last events
+        new._state.update({k: v for k, v in old._state.items() if k not in ("rank", "pid", "host")})
+        while old._events:
+            event = dict(old._events.popleft(), rank=rank)
+            if event.get("kind") == EventKind.START.value:
+                event["world_size"] = self.world_size
+            new._events.append(event)
+        for provider in old._providers:
+            new.add_state_provider(provider)
+        old._closed = True  # never flushed: it wrote nothing, and must not write under the wrong rank
+        old._stop.set()
+        self.writer = new
+        self.rank = rank
+        self.rank_known = True
+        self.faults = [f for f in self.all_faults if f.applies_to(rank)]
+        if self._fatal_dump:
+            self.enable_fatal_dump()
+        if self.heartbeat is not None:
+            self.heartbeat.writer = new
+        if self.tracer is not None:
+            self.tracer.rank = rank
+            self.tracer.set_faults(self.all_faults)
+
+    def enable_fatal_dump(self) -> None:
+        """Python stacks of a fatal signal (SIGABRT, SIGSEGV) go to ranks/rank-NNNNN.fatal."""
+        from sddoctor.instrument.exit_hooks import enable_fatal_dump
+
+        self._fatal_dump = True
+        if not self.rank_known:
+            return  # set_rank() comes back here
+        try:
+            enable_fatal_dump(self.run_dir.ranks_dir / f"rank-{self.rank:05d}.fatal")
+        except OSError:
+            pass
+
+    def install_tracing(self) -> None:
+        """Trace torch.distributed collectives and start the heartbeat (idempotent)."""
+        if self.tracer is not None:
+            return
+        from sddoctor.instrument import tracing
+        from sddoctor.instrument.heartbeat import Heartbeat
+
+        self.tracer = tracing.install(self.rank, self.all_faults, self)
+        self.heartbeat = Heartbeat(self.writer, self.tracer)
+        tracing._after_init.append(self._after_init)
+        from sddoctor.instrument import ddp_patch
+        from sddoctor.instrument.importhook import when_imported
+
+        when_imported("torch.nn.parallel.distributed", ddp_patch.install)
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                self._after_init()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            from sddoctor.instrument import ddp_hook  # noqa: F401  (merged from the OOM guard)
+
+            stats = getattr(ddp_hook, "stats", None)
+            if callable(stats):
+                self.tracer.ddp_stats = stats
+        except ImportError:
+            pass
+
+    def _after_init(self) -> None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if not self.rank_known:
+            self.set_rank(rank, world)
+        elif world != self.world_size:
+            self.world_size = world
+            self.writer.update_state(world_size=world)
+        try:
+            self.writer.update_state(backend=str(dist.get_backend()))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self, status: str = "ok", code: int | None = 0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._exit is not None:
+            status, code = self._exit
+        if not self.rank_known:
+            self._settle_rank()  # a single process that never reported a step
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        if not self._exit_written:
+            self._exit_written = True
+            self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step)
+            self.writer.update_state(status="exited")
         self.writer.close()
 
 
@@ -96,19 +275,40 @@ def enable(
     rank: int | None = None,
     local_rank: int | None = None,
     world_size: int | None = None,
+    trace: bool = True,
     **start_fields: Any,
 ) -> RankSession | None:
-    """Start this rank's session (idempotent). Without `run_dir`, uses SDDOCTOR_RUN_DIR or does nothing."""
+    """Start this rank's session (idempotent). Without `run_dir`, uses SDDOCTOR_RUN_DIR or does nothing.
+
+    `trace`: also trace torch.distributed collectives, run the heartbeat and record the uncaught
+    exception (installed now if torch is imported, else as soon as torch.distributed is).
+    Safe before or after init_process_group. The rank comes from `rank`, else RANK, else the
+    default process group once it exists. A second call adds its `start_fields` (device,
+    backend, ...) to the state snapshot and may turn tracing on.
+    """
     global _session
     if _session is not None:
+        if start_fields:
+            _session.writer.update_state(**start_fields)
+        if trace:
+            _trace_when_possible(_session)
         return _session
     target = run_dir or os.environ.get(RUN_DIR_ENV)
     if not target:
         return None
-    rank = _env_int("RANK", 0) if rank is None else rank
+    rank_known = rank is not None or "RANK" in os.environ
+    if rank is None:
+        rank = _env_int("RANK", 0)
+        if not rank_known:
+            rank, rank_known = _initialized_rank()
     local_rank = _env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-    _session = RankSession(RunDir(Path(target)), rank, local_rank, world_size, faults_from_env())
+    _session = RankSession(
+        RunDir(Path(target)), rank, local_rank, world_size, faults_from_env(), rank_known=rank_known
+    )
+    atexit.register(_close_at_exit, _session)
+    if start_fields:
+        _session.writer.update_state(**{k: v for k, v in start_fields.items() if k in ("device", "backend")})
     _session.writer.emit(
         EventKind.START,
         pid=os.getpid(),
@@ -118,7 +318,47 @@ def enable(
         argv=list(sys.argv),
         **start_fields,
     )
+    if trace:
+        from sddoctor.instrument import exit_hooks
+
+        exit_hooks.install(_session)
+        _session.enable_fatal_dump()
+        _trace_when_possible(_session)
     return _session
+
+
+def _trace_when_possible(session: RankSession) -> None:
+    """Install tracing now if torch is imported, else the moment torch.distributed is."""
+
+    def install(_module: Any = None) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and _session is session:
+            session.install_tracing()
+
+    if "torch.distributed" in sys.modules:
+        install()
+    else:
+        from sddoctor.instrument.importhook import when_imported
+
+        when_imported("torch.distributed", install)
+
+
+def _initialized_rank() -> tuple[int, bool]:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), True
+    except Exception:  # noqa: BLE001
+        pass
+    return 0, False
+
+
+def _close_at_exit(session: RankSession) -> None:
+    global _session
+    session.close()
+    if _session is session:
+        _session = None
 
 
 def active() -> RankSession | None:
@@ -151,9 +391,14 @@ def update_state(**fields: Any) -> None:
 
 
 def disable(status: str = "ok", code: int = 0) -> None:
-    """Close the session: an `exit` event and a final flush."""
+    """Close the session: an `exit` event and a final flush. Tracing is removed."""
     global _session
     if _session is not None:
+        if _session.tracer is not None:
+            from sddoctor.instrument import tracing
+
+            if tracing.active() is _session.tracer:
+                tracing.uninstall()
         _session.close(status, code)
         _session = None
 

@@ -10,6 +10,8 @@ Grammar: faults separated by ';', each `KIND:key=value,key=value`. Examples:
     oom:rank=1,step=3,phase=backward   rank 1 raises an out-of-memory error in step 3's backward
 
 `rank` takes one rank, several joined by '|' (`rank=0|2`), or `*` for every rank.
+`seq=K` counts collectives on one process group, from 1: the default group unless `pg=NAME`
+names another (`pg=NAME:p2p` counts that group's send/recv ops, `pg=*` any group).
 A malformed value is an error at start (FaultSpecError), never silently ignored.
 This module only parses; `sddoctor.instrument` and the trainer fire the faults.
 """
@@ -25,9 +27,9 @@ FAULT_ENV = "SDDOCTOR_FAULT"
 FAULT_KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "skip": (frozenset({"rank", "seq"}), frozenset({"pg"})),
     "shape": (frozenset({"rank", "seq"}), frozenset({"pg"})),
-    "sleep": (frozenset({"rank", "seconds"}), frozenset({"step", "seq", "every", "phase"})),
-    "kill": (frozenset({"rank"}), frozenset({"step", "seq", "signal"})),
-    "raise": (frozenset({"rank"}), frozenset({"step", "seq", "message", "phase"})),
+    "sleep": (frozenset({"rank", "seconds"}), frozenset({"step", "seq", "every", "phase", "pg"})),
+    "kill": (frozenset({"rank"}), frozenset({"step", "seq", "signal", "pg"})),
+    "raise": (frozenset({"rank"}), frozenset({"step", "seq", "message", "phase", "pg"})),
     "oom": (frozenset({"rank", "step"}), frozenset({"phase", "bucket", "times", "micro_batch_above"})),
 }
 

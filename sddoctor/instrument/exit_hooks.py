@@ -1,0 +1,183 @@
+"""Last words of a rank: the uncaught exception and SIGTERM, flushed before the process dies.
+
+- `sys.excepthook` is chained: an `exception` event (type, message, traceback frames, caller)
+  is written and flushed, then the previous hook prints the traceback as usual.
+- Fatal signals (SIGSEGV, SIGABRT from gloo/NCCL, SIGFPE, SIGBUS, SIGILL): `faulthandler`
+  writes the Python stack of every thread to `ranks/rank-NNNNN.fatal` (left alone if the
+  user enabled faulthandler already). No Python code can run there, so this is the only
+  record of where such a rank was.
+- SIGTERM (what torchrun sends to the surviving ranks when one fails): a Python handler
+  flushes and then does what the previous disposition did (a previous Python handler is
+  called; the default action is re-raised so the exit status stays "killed by SIGTERM").
+  A Python handler only runs when the main thread executes bytecode, which a rank stuck inside
+  a collective never does; so the signal is also seen through `signal.set_wakeup_fd` by a
+  watcher thread, which flushes at once and, when the default action was in force and the main
+  thread has not acted within `grace` seconds, restores it and re-sends SIGTERM. A stuck rank
+  therefore still dies promptly, as it would without sddoctor.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+_SDDOCTOR_DIR = str(Path(__file__).resolve().parent.parent) + os.sep
+_installed: dict[str, Any] = {}
+
+
+def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, Any]:
+    """The fields of an `exception` event."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    caller = None
+    for fs in reversed(frames):
+        if not fs.filename.startswith(_SDDOCTOR_DIR) and f"{os.sep}torch{os.sep}" not in fs.filename:
+            caller = f"{fs.filename}:{fs.lineno}"
+            break
+    if caller is None and frames:
+        caller = f"{frames[-1].filename}:{frames[-1].lineno}"
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc)[:4000],
+        "traceback": [f"{fs.filename}:{fs.lineno} in {fs.name}" for fs in frames][-64:],
+        "caller": caller,
+    }
+
+
+def enable_fatal_dump(path: Path) -> bool:
+    """faulthandler into `path` (appended), unless already enabled. True if enabled now."""
+    import faulthandler
+
+    if faulthandler.is_enabled() and "fatal_file" not in _installed:
+        return False
+    old = _installed.pop("fatal_file", None)
+    fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - must stay open for the signal handler
+    faulthandler.enable(fh, all_threads=True)
+    _installed["fatal_file"] = fh
+    if old is not None:
+        old.close()
+    return True
+
+
+def install(session: Any, *, grace: float = 1.0) -> None:
+    """Chain sys.excepthook and SIGTERM to `session` (an api.RankSession). Idempotent."""
+    _installed["session"] = session
+    if "excepthook" not in _installed:
+        previous = sys.excepthook
+        _installed["excepthook"] = previous
+
+        def hook(etype: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            current = _installed.get("session")
+            if current is not None:
+                try:
+                    current.record_exception(exc, tb)
+                except Exception:  # noqa: BLE001 - the original hook must still run
+                    pass
+            previous(etype, exc, tb)
+
+        sys.excepthook = hook
+    if "sigterm" not in _installed and threading.current_thread() is threading.main_thread():
+        _install_sigterm(grace)
+
+
+def _install_sigterm(grace: float) -> None:
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN or previous is None:
+        return  # ignored on purpose, or set from C: leave it alone
+    handled = threading.Event()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if callable(previous):
+            handled.set()
+            _flush(None, 0)  # the script's own handler decides whether (and how) the process ends
+            previous(signum, frame)
+        else:
+            # `handled` only after the flush: if it blocks (the signal interrupted a flush on this
+            # thread), the watcher thread still ends the process after its grace period
+            _flush("signal", 128 + signum)
+            handled.set()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _installed["sigterm"] = on_sigterm
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    os.set_blocking(read_fd, False)
+    try:
+        old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        return
+    if old_fd != -1:  # someone (an event loop) already listens: do not steal it
+        signal.set_wakeup_fd(old_fd)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    default_action = not callable(previous)
+    threading.Thread(
+        target=_watch_signals,
+        args=(read_fd, handled, default_action, on_sigterm, grace),
+        name="sddoctor-signals",
+        daemon=True,
+    ).start()
+
+
+def _watch_signals(
+    read_fd: int, handled: threading.Event, default_action: bool, ours: Callable[..., Any], grace: float
+) -> None:
+    while True:
+        try:
+            select.select([read_fd], [], [])
+            data = os.read(read_fd, 64)
+        except (OSError, ValueError):
+            return
+        if signal.SIGTERM not in data:
+            continue
+        if not default_action or signal.getsignal(signal.SIGTERM) is not ours:
+            _flush(None, 0)  # someone else's handler runs in the main thread and decides
+            continue
+        _flush("signal", 128 + signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not handled.is_set():
+            time.sleep(0.05)
+        if not handled.is_set():  # the main thread is stuck in native code
+            _die_by_default_sigterm()
+            return
+
+
+def _die_by_default_sigterm() -> None:
+    """Restore SIGTERM's default action from a non-main thread (signal.signal cannot) and re-send it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.signal(int(signal.SIGTERM), None)  # SIG_DFL is 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)
+    except Exception:  # noqa: BLE001
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _flush(status: str | None, code: int) -> None:
+    """Write what is buffered; with a `status`, the `exit` event too (the process is about to die)."""
+    session = _installed.get("session")
+    if session is None:
+        return
+    try:
+        if status is None:
+            session.writer.flush()
+        else:
+            session.exit_now(status, code)
+    except Exception:  # noqa: BLE001
+        pass

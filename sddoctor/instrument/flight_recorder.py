@@ -1,0 +1,85 @@
+"""PyTorch's NCCL flight recorder: switched on through the environment, dumped through a pipe.
+
+The recorder keeps the last TORCH_NCCL_TRACE_BUFFER_SIZE collectives of every NCCL process
+group. With TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, each rank's watchdog creates a FIFO named
+`<prefix><rank>.pipe` (`<prefix><rank>` in some builds); writing to it makes that rank dump its buffer (a pickle) to
+`<TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>`. These variables must be in the environment before
+the process group is created, so `sddoctor run` puts them into the job's environment
+(`sddoctor.instrument.boot.rank_environment`). gloo has no flight recorder worth reading
+(entries stay "scheduled"), so dumping is a no-op there.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+TRACE_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+DUMP_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+TRACE_PREFIX = "nccl_trace_rank_"
+PIPE_PREFIX = "nccl_pipe_rank_"
+
+
+def recorder_environment(run_dir: str | os.PathLike[str], buffer_size: int = 2000) -> dict[str, str]:
+    """The variables that switch the recorder on, with dumps and pipes under RUN_DIR/stacks/."""
+    stacks = Path(run_dir) / "stacks"
+    return {
+        TRACE_BUFFER_ENV: str(buffer_size),
+        DUMP_FILE_ENV: str(stacks / TRACE_PREFIX),
+        PIPE_FILE_ENV: str(stacks / PIPE_PREFIX),
+    }
+
+
+def trigger_dump(pipe_prefix: str | os.PathLike[str], rank: int) -> bool:
+    """Ask rank `rank` to dump its recorder by writing to its pipe. Never blocks.
+
+    Usable from any process (the supervisor included). False when there is no pipe or nobody
+    reads it (not NCCL, recorder off, rank gone).
+    """
+    for path in (f"{pipe_prefix}{rank}.pipe", f"{pipe_prefix}{rank}"):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno in (errno.ENXIO, errno.ENOENT, errno.EACCES, errno.ENOTDIR):
+                continue  # no pipe, or nobody reads it
+            raise
+        try:
+            os.write(fd, b"1\n")
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+    return False
+
+
+def dump_flight_recorder() -> bool:
+    """Rank side: dump this rank's NCCL flight recorder now. False (a no-op) unless on NCCL."""
+    prefix = os.environ.get(PIPE_FILE_ENV)
+    if not prefix:
+        return False
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        backend = str(dist.get_backend())
+    except Exception:  # noqa: BLE001
+        return False
+    if "nccl" not in backend:
+        return False
+    return trigger_dump(prefix, dist.get_rank())
+
+
+def dump_files(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
+    """Flight recorder dumps present in RUN_DIR/stacks/, by rank."""
+    found: dict[int, Path] = {}
+    stacks = Path(run_dir) / "stacks"
+    if not stacks.is_dir():
+        return found
+    for entry in stacks.iterdir():
+        if entry.name.startswith(TRACE_PREFIX) and entry.name[len(TRACE_PREFIX) :].isdigit():
+            found[int(entry.name[len(TRACE_PREFIX) :])] = entry
+    return found

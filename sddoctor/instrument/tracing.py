@@ -1,0 +1,751 @@
+"""Collective tracing: every torch.distributed collective and p2p op, numbered per process group.
+
+`install(...)` replaces the collective functions of `torch.distributed` (and of
+`torch.distributed.distributed_c10d`, which the package re-exports) with thin wrappers. Each call
+gets a sequence number on its process group, and its op, tensor shapes/dtypes, caller file:line
+(the first frame outside torch and sddoctor), enqueue time and completion are kept in memory.
+The heartbeat thread turns that into the `collectives` part of the rank's state snapshot.
+
+What the hot path does, and why it stays cheap: a dict lookup for the group, an integer
+increment, a small record object, a frame walk whose per-code-object verdict is cached, and one
+attribute store or deque append. No I/O, no locks.
+
+Completion:
+- synchronous call on CPU tensors (gloo): done when the call returns;
+- `async_op=True`, isend/irecv, batch_isend_irecv: the Work object is kept and polled with
+  `is_completed()` by the heartbeat thread (never blocking);
+- synchronous call on CUDA tensors (NCCL returns before the GPU is done): a CUDA event is
+  recorded on the current stream after the call and polled the same way.
+Polled completion times are as precise as the poll interval (about a second).
+
+Sequence numbers start at 1 on every group. Point-to-point ops are numbered separately, under
+the key "<group>:p2p", because they involve only two ranks and would otherwise make the
+collective numbering of the group differ between ranks.
+
+Names bound before `install()` (`from torch.distributed import all_reduce` executed earlier)
+keep the original function and are not traced; `sddoctor run` installs the wrappers when
+torch.distributed is first imported, before user code can bind them.
+Calls made inside another traced call (all_gather_object calls all_gather) count once.
+isend/irecv are wrapped in the `torch.distributed` namespace only: torch compares
+`P2POp.op` with its own module globals by identity.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sddoctor.instrument.faults import Fault
+from sddoctor.telemetry.schema import EventKind
+
+#: ops whose first tensor argument is written in place (shape faults copy the result back)
+_INPLACE = {"all_reduce", "broadcast", "reduce"}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Where a traced function keeps its group, async flag and payload tensor."""
+
+    name: str
+    payload: str | None  # parameter holding the tensor (or list) whose shape is recorded
+    kind: str = "coll"  # "coll" | "p2p" | "batch" | "object"
+    peer: str | None = None  # dst/src parameter of p2p ops
+    #: numbered apart from the group's collectives (only two ranks take part); set from `kind`
+    p2p: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "p2p", self.kind in ("p2p", "batch"))
+
+
+_SPECS: tuple[OpSpec, ...] = (
+    OpSpec("all_reduce", "tensor"),
+    OpSpec("all_gather", "tensor"),
+    OpSpec("all_gather_into_tensor", "input_tensor"),
+    OpSpec("reduce_scatter", "input_list"),
+    OpSpec("reduce_scatter_tensor", "input"),
+    OpSpec("broadcast", "tensor"),
+    OpSpec("reduce", "tensor"),
+    OpSpec("all_to_all", "input_tensor_list"),
+    OpSpec("all_to_all_single", "input"),
+    OpSpec("all_reduce_coalesced", "tensors"),
+    OpSpec("all_gather_coalesced", "input_tensor_list"),
+    OpSpec("barrier", None),
+    OpSpec("monitored_barrier", None),
+    OpSpec("gather", "tensor"),
+    OpSpec("scatter", "tensor"),
+    OpSpec("all_gather_object", None, "object"),
+    OpSpec("broadcast_object_list", "object_list", "object"),
+    OpSpec("gather_object", None, "object"),
+    OpSpec("scatter_object_list", "scatter_object_output_list", "object"),
+    OpSpec("send", "tensor", "p2p", "dst"),
+    OpSpec("recv", "tensor", "p2p", "src"),
+    OpSpec("isend", "tensor", "p2p", "dst"),
+    OpSpec("irecv", "tensor", "p2p", "src"),
+    OpSpec("batch_isend_irecv", "p2p_op_list", "batch"),
+)
+#: wrapped only in the torch.distributed namespace (see the module docstring)
+_NAMESPACE_ONLY = {"isend", "irecv"}
+#: functions that issue collectives of their own we do not want to count
+_QUIET = ("init_process_group", "new_group", "new_subgroups", "destroy_process_group")
+
+_MAX_PENDING = 4096  # per group: bounds memory if completion is never observed
+_MAX_LISTED = 8  # tensors of one call whose shapes are recorded
+
+_tls = threading.local()
+_tracer: Tracer | None = None
+_originals: dict[tuple[Any, str], Any] = {}
+_internal_prefixes: tuple[str, ...] = ()
+_internal_code: dict[Any, bool] = {}
+_dtype_names: dict[Any, str] = {}
+
+
+class _Rec:
+    """One traced call."""
+
+    __slots__ = (
+        "op",
+        "key",
+        "seq",
+        "shapes",
+        "dtypes",
+        "file",
+        "line",
+        "t0",
+        "t1",
+        "handle",
+        "deferred",
+        "peer",
+    )
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "pg": self.key,
+            "seq": self.seq,
+            "op": self.op,
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": [d if isinstance(d, str) else _dtype_name(d) for d in self.dtypes],
+            "caller": f"{self.file}:{self.line}",
+            "since": self.t0,
+            "async": self.deferred,
+        }
+        if self.peer is not None:
+            d["peer"] = self.peer
+        if self.t1 is not None:
+            d["t"] = self.t1
+            d["duration"] = round(self.t1 - self.t0, 6)
+        elif now is not None:
+            d["waiting"] = round(now - self.t0, 3)
+        return d
+
+
+class _Group:
+    """Per process group counters (collectives and p2p apart)."""
+
+    __slots__ = ("pg", "name", "seq", "p2p_seq", "current", "pending")
+
+    def __init__(self, pg: Any, name: str) -> None:
+        self.pg = pg
+        self.name = name
+        self.seq = 0
+        self.p2p_seq = 0
+        self.current: _Rec | None = None  # the synchronous call this group is inside
+        self.pending: collections.deque[_Rec] = collections.deque(maxlen=_MAX_PENDING)
+
+
+class DoneWork:
+    """What a skipped collective returns where torch would return a Work: already complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> list[Any]:
+        return []
+
+    def get_future(self) -> Any:
+        import torch
+
+        fut: Any = torch.futures.Future()
+        fut.set_result([])
+        return fut
+
+
+class Tracer:
+    """Traced-call bookkeeping of one rank process."""
+
+    def __init__(self, rank: int, faults: list[Fault] | None = None, session: Any = None) -> None:
+        self.rank = rank
+        self.session = session  # api.RankSession: fires kill/raise faults, owns the writer
+        self._groups: dict[Any, _Group] = {}
+        self.last_done: _Rec | None = None
+        self.last_failed: _Rec | None = None  # the traced call that raised last
+        self.op_stats: dict[str, list[float]] = {}  # op -> [count, seconds of completed calls]
+        self.started = time.time()
+        self.ddp_stats: Callable[[], dict[str, Any]] | None = None
+        self._c10d: Any = None
+        self._coalescing: dict[Any, Any] = {}
+        self._fired: set[str] = set()
+        self._hold_next = False  # a skip fault fired: the next collective never gets issued
+        self.set_faults(faults or [])
+
+    def set_faults(self, faults: list[Fault]) -> None:
+        """Keep the collective-triggered faults that apply to this rank."""
+        self._faults = [f for f in faults if f.applies_to(self.rank) and _is_collective_fault(f)]
+        self._slow = bool(self._faults) or self._hold_next
+
+    # -- the hot path ---------------------------------------------------------------------------
+
+    def call(
+        self, fn: Callable[..., Any], spec: OpSpec, gi: int, ai: int, pi: int, args: tuple, kwargs: dict
+    ) -> Any:
+        if "group" in kwargs:
+            group = kwargs["group"]
+        else:
+            group = args[gi] if 0 <= gi < len(args) else None
+        p2p = spec.p2p
+        if spec.kind == "batch":  # batch_isend_irecv: numbered with the p2p ops of its group
+            ops = kwargs["p2p_op_list"] if "p2p_op_list" in kwargs else (args[0] if args else None)
+            group = getattr(ops[0], "group", None) if ops else None
+        st = self._groups.get(group)
+        if st is None:
+            st = self._new_group(group)
+        seq = (st.p2p_seq if p2p else st.seq) + 1
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            internal = _internal_code.get(code)
+            if internal is None:
+                internal = _internal_code[code] = code.co_filename.startswith(_internal_prefixes)
+            if not internal:
+                break
+            frame = frame.f_back
+        restore = None
+        hold = False
+        if self._slow:
+            outcome = self._apply_faults(st, seq, spec, args, kwargs, pi, frame)
+            if outcome is not None:
+                if outcome[0] == "skip":
+                    return outcome[1]
+                args, kwargs, restore, hold = outcome[1:]
+        rec = _Rec()
+        rec.op = spec.name
+        rec.key = st.name + ":p2p" if p2p else st.name
+        rec.seq = seq
+        if p2p:
+            st.p2p_seq = seq
+            peer = kwargs.get(spec.peer) if spec.peer in kwargs else (args[1] if len(args) > 1 else None)
+            rec.peer = peer if isinstance(peer, int) else None
+        else:
+            st.seq = seq
+            rec.peer = None
+        payload = None
+        if spec.payload is not None:
+            payload = (
+                kwargs[spec.payload]
+                if spec.payload in kwargs
+                else (args[pi] if 0 <= pi < len(args) else None)
+            )
+        rec.shapes, rec.dtypes, on_cuda = _describe(payload, spec.kind)
+        if frame is not None:
+            rec.file, rec.line = frame.f_code.co_filename, frame.f_lineno
+        else:
+            rec.file, rec.line = "?", 0
+        rec.handle = None
+        rec.t1 = None
+        rec.deferred = False
+        user_async = spec.kind in ("p2p", "batch") and spec.name not in ("send", "recv")
+        if not user_async and ai >= 0:
+            user_async = bool(
+                kwargs["async_op"] if "async_op" in kwargs else (args[ai] if ai < len(args) else False)
+            )
+        rec.t0 = time.time()
+        st.current = rec
+        if hold:
+            self._hold("shape")
+        _tls.busy = True
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            rec.t1 = time.time()
+            st.current = None
+            self.last_failed = rec
+            raise
+        finally:
+            _tls.busy = False
+        if user_async:
+            st.current = None
+            if result is None:
+                self._finish(rec, time.time())
+            else:
+                rec.handle = result
+                rec.deferred = True
+                st.pending.append(rec)
+        elif on_cuda and (marker := _cuda_marker()) is not None:
+            st.current = None
+            rec.handle = marker
+            rec.deferred = True
+            st.pending.append(rec)
+        else:
+            rec.t1 = time.time()
+            st.current = None
+            self._finish(rec, rec.t1)
+        if restore is not None:
+            restore()
+        return result
+
+    def _finish(self, rec: _Rec, t1: float) -> None:
+        rec.t1 = t1
+        last = self.last_done
+        if last is None or rec.t0 >= last.t0:
+            self.last_done = rec
+        stats = self.op_stats.get(rec.op)
+        if stats is None:
+            stats = self.op_stats[rec.op] = [0, 0.0]
+        stats[0] += 1
+        stats[1] += t1 - rec.t0
+
+    def _new_group(self, group: Any) -> _Group:
+        c10d = self._c10d
+        if group is not None and not _is_world(c10d, group):
+            st = self._groups[group] = _Group(group, _group_name(c10d, group))
+            return st
+        st = self._groups.get(None)
+        if st is None:
+            try:
+                pg = c10d._get_default_group()
+            except Exception:  # noqa: BLE001 - not initialized: torch raises its own error next
+                return _Group(None, "default")
+            st = self._groups[None] = _Group(pg, _group_name(c10d, pg))
+        if group is not None:
+            self._groups[group] = st
+        return st
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def _apply_faults(
+        self, st: _Group, seq: int, spec: OpSpec, args: tuple, kwargs: dict, pi: int, frame: Any
+    ) -> Any:
+        caller = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+        if self._hold_next:
+            self._hold(caller)
+        key = st.name + ":p2p" if spec.p2p else st.name
+        default_name = self._default_name()
+        for fault in self._faults:
+            want = str(fault.get("pg") or default_name)
+            if want not in (key, "*") and not (want == "default" and key == default_name):
+                continue
+            at = fault.get("seq")
+            if fault.kind == "sleep":
+                every = fault.get("every")
+                if at is None or seq == at or (every and seq >= at and (seq - at) % every == 0):  # type: ignore[operator]
+                    time.sleep(float(fault.get("seconds")))  # type: ignore[arg-type]
+                continue
+            if at != seq or fault.spec in self._fired:
+                continue
+            self._fired.add(fault.spec)
+            fields = {"fault": fault.spec, "seq": seq, "pg": key, "op": spec.name, "caller": caller}
+            if fault.kind in ("kill", "raise"):
+                if self.session is not None:
+                    self.session.fire_fault(fault, **fields)
+                continue
+            if fault.kind == "skip":
+                self._emit_fault(fields)
+                self._hold_next = True
+                atexit.register(self._hold, "exit")
+                return ("skip", _skipped_result(spec, args, kwargs))
+            if fault.kind == "shape":
+                changed = _change_shape(spec, args, kwargs, pi)
+                if changed is not None:
+                    new_args, new_kwargs, restore, shape, on_cuda = changed
+                    # gloo aborts the peers (SIGABRT) on a size mismatch before anything can be
+                    # recorded; NCCL hangs. On CPU the mismatched call is therefore held, not
+                    # sent: the ranks disagree at #seq and wait, which is what NCCL does.
+                    hold = not on_cuda
+                    fields.update(shape=shape, sent=not hold)
+                    self._emit_fault(fields)
+                    return ("shape", new_args, new_kwargs, restore, hold)
+        return None
+
+    def _emit_fault(self, fields: dict[str, Any]) -> None:
+        if self.session is not None:
+            self.session.writer.emit(EventKind.FAULT, **fields)
+            self.session.writer.flush()
+
+    def _hold(self, where: str) -> None:
+        """A skip fault fired: this rank never issues another collective (the others wait for it)."""
+        if self.session is not None:
+            self.session.writer.flush()
+        while True:
+            time.sleep(3600)
+
+    def _default_name(self) -> str:
+        st = self._groups.get(None)
+        if st is not None:
+            return st.name
+        if self._c10d is not None:
+            try:
+                return _group_name(self._c10d, self._c10d._get_default_group())
+            except Exception:  # noqa: BLE001 - not initialized yet
+                pass
+        return "default"
+
+    # -- off the hot path: heartbeat and snapshot -----------------------------------------------
+
+    def poll(self, now: float | None = None) -> int:
+        """Mark finished async works complete. Never blocks. Returns how many finished."""
+        now = time.time() if now is None else now
+        done = 0
+        for st in list(set(self._groups.values())):
+            for rec in list(st.pending):
+                if rec.t1 is None and _handle_done(rec.handle):
+                    self._finish(rec, now)
+                    done += 1
+            while st.pending and st.pending[0].t1 is not None:
+                try:
+                    st.pending.popleft().handle = None
+                except IndexError:
+                    break
+        return done
+
+    def snapshot(self) -> dict[str, Any]:
+        """The `collectives` field of the state snapshot."""
+        now = time.time()
+        inflight: list[dict[str, Any]] = []
+        issued: dict[str, int] = {}
+        for st in list(set(self._groups.values())):
+            if st.seq:
+                issued[st.name] = st.seq
+            if st.p2p_seq:
+                issued[st.name + ":p2p"] = st.p2p_seq
+            cur = st.current
+            if cur is not None:
+                inflight.append(cur.as_dict(now))
+            for rec in list(st.pending):
+                if rec.t1 is None:
+                    inflight.append(rec.as_dict(now))
+        inflight.sort(key=lambda d: d["since"])
+        stats = dict(self.op_stats)
+        out: dict[str, Any] = {
+            "inflight": inflight,
+            "issued": issued,
+            # cumulative time inside completed collectives: a straggler waits least
+            "totals": {
+                "count": int(sum(v[0] for v in stats.values())),
+                "seconds": round(sum(v[1] for v in stats.values()), 6),
+            },
+        }
+        last = self.last_done
+        if last is not None:
+            out["last_done"] = last.as_dict()
+        failed = self.last_failed
+        if failed is not None:
+            out["failed"] = failed.as_dict()
+        if self.ddp_stats is not None:
+            try:
+                out["ddp"] = self.ddp_stats()
+            except Exception as exc:  # noqa: BLE001
+                out["ddp"] = {"error": repr(exc)}
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and seconds per op since the start (the periodic `collective` event)."""
+        stats = dict(self.op_stats)
+        return {
+            "count": int(sum(v[0] for v in stats.values())),
+            "seconds": round(sum(v[1] for v in stats.values()), 6),
+            "ops": {op: {"count": int(v[0]), "seconds": round(v[1], 6)} for op, v in stats.items()},
+            "last_seq": {st.name: st.seq for st in set(self._groups.values()) if st.seq},
+        }
+
+
+# -- install / uninstall --------------------------------------------------------------------------
+
+
+def install(rank: int, faults: list[Fault] | None = None, session: Any = None) -> Tracer:
+    """Wrap torch.distributed's collectives (idempotent) and make a fresh Tracer the active one."""
+    global _tracer, _internal_prefixes
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build of torch")
+    from torch.distributed import distributed_c10d as c10d
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _internal_prefixes = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, here + os.sep)
+    tracer = Tracer(rank, faults, session)
+    tracer._c10d = c10d
+    state = getattr(c10d, "_world", None)
+    tracer._coalescing = getattr(state, "pg_coalesce_state", {}) if state is not None else {}
+    _tracer = tracer
+    _patch(dist, c10d)
+    return tracer
+
+
+def uninstall() -> None:
+    """Put the original functions back and forget the tracer."""
+    global _tracer
+    _tracer = None
+    for (module, name), original in list(_originals.items()):
+        setattr(module, name, original)
+    _originals.clear()
+
+
+def active() -> Tracer | None:
+    return _tracer
+
+
+def is_traced(fn: Any) -> bool:
+    return getattr(fn, "__sddoctor_original__", None) is not None
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Collectives issued inside are not counted (for comm hooks that issue their own)."""
+    before = getattr(_tls, "busy", False)
+    _tls.busy = True
+    try:
+        yield
+    finally:
+        _tls.busy = before
+
+
+def _patch(dist: Any, c10d: Any) -> None:
+    for spec in _SPECS:
+        original = getattr(c10d, spec.name, None)
+        if original is None or is_traced(original):
+            if original is not None and is_traced(getattr(dist, spec.name, None)):
+                continue
+        if original is None:
+            continue
+        original = getattr(original, "__sddoctor_original__", original)
+        wrapper = _make_wrapper(original, spec)
+        targets = [dist] if spec.name in _NAMESPACE_ONLY else [c10d, dist]
+        for module in targets:
+            current = getattr(module, spec.name, None)
+            if current is original or (module is dist and current is None):
+                _originals.setdefault((module, spec.name), original)
+                setattr(module, spec.name, wrapper)
+    for name in _QUIET:
+        original = getattr(c10d, name, None)
+        if original is None or is_traced(original):
+            continue
+        wrapper = _make_quiet(original, on_init=name == "init_process_group")
+        for module in (c10d, dist):
+            if getattr(module, name, None) is original:
+                _originals.setdefault((module, name), original)
+                setattr(module, name, wrapper)
+    _patch_p2p_op(c10d)
+
+
+def _patch_p2p_op(c10d: Any) -> None:
+    """P2POp must hold torch's own isend/irecv: batch_isend_irecv compares them by identity."""
+    check = getattr(c10d, "_check_op", None)
+    p2p = getattr(c10d, "P2POp", None)
+    if check is None or p2p is None or is_traced(check):
+        return
+
+    def _check_op(op: Any) -> Any:
+        return check(getattr(op, "__sddoctor_original__", op))
+
+    _check_op.__sddoctor_original__ = check  # type: ignore[attr-defined]
+    _originals.setdefault((c10d, "_check_op"), check)
+    c10d._check_op = _check_op
+    init = p2p.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, op: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, getattr(op, "__sddoctor_original__", op), *args, **kwargs)
+
+    __init__.__sddoctor_original__ = init  # type: ignore[attr-defined]
+    _originals.setdefault((p2p, "__init__"), init)
+    p2p.__init__ = __init__
+
+
+def _make_wrapper(fn: Callable[..., Any], spec: OpSpec) -> Callable[..., Any]:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    gi = params.index("group") if "group" in params else -1
+    ai = params.index("async_op") if "async_op" in params else -1
+    pi = params.index(spec.payload) if spec.payload in params else -1
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        tracer = _tracer
+        if tracer is None or getattr(_tls, "busy", False) or tracer._coalescing:
+            return fn(*args, **kwargs)
+        return tracer.call(fn, spec, gi, ai, pi, args, kwargs)
+
+    functools.update_wrapper(traced, fn)
+    traced.__sddoctor_original__ = fn  # type: ignore[attr-defined]
+    return traced
+
+
+def _make_quiet(fn: Callable[..., Any], on_init: bool) -> Callable[..., Any]:
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        before = getattr(_tls, "busy", False)
+        _tls.busy = True
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _tls.busy = before
+        if on_init:
+            for callback in list(_after_init):
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - never break the user's init
+                    pass
+        return result
+
+    functools.update_wrapper(quiet, fn)
+    quiet.__sddoctor_original__ = fn  # type: ignore[attr-defined]
+    return quiet
+
+
+#: called after every successful init_process_group (the session learns its rank there)
+_after_init: list[Callable[[], None]] = []
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _is_collective_fault(fault: Fault) -> bool:
+    if fault.kind in ("skip", "shape"):
+        return True
+    return fault.kind in ("sleep", "kill", "raise") and fault.get("seq") is not None
+
+
+def _is_world(c10d: Any, group: Any) -> bool:
+    try:
+        return group is c10d.GroupMember.WORLD
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _group_name(c10d: Any, pg: Any) -> str:
+    if c10d is None or pg is None:
+        return "default"
+    try:
+        name = c10d._world.pg_names.get(pg)
+    except Exception:  # noqa: BLE001
+        name = None
+    if not name:
+        name = getattr(pg, "group_name", None)
+    return str(name) if name else "default"
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _describe(payload: Any, kind: str) -> tuple[list[Any], list[Any], bool]:
+    """Shapes and dtypes of the payload, and whether it lives on a CUDA device."""
+    if payload is None:
+        return [], [], False
+    shape = getattr(payload, "shape", None)
+    if shape is not None:  # torch.Size and dtype objects: turned into JSON at snapshot time
+        return [shape], [payload.dtype], payload.is_cuda
+    if kind == "object" and isinstance(payload, list):
+        return [[len(payload)]], ["object"], False
+    if isinstance(payload, (list, tuple)):
+        shapes: list[Any] = []
+        dtypes: list[Any] = []
+        cuda = False
+        for item in payload[:_MAX_LISTED]:
+            item = getattr(item, "tensor", item)  # P2POp
+            shape = getattr(item, "shape", None)
+            if shape is not None:
+                shapes.append(shape)
+                dtypes.append(item.dtype)
+                cuda = cuda or bool(getattr(item, "is_cuda", False))
+        return shapes, dtypes, cuda
+    return [], [], False
+
+
+def _cuda_marker() -> Any:
+    """A CUDA event on the current stream: it completes when the collective before it does.
+
+    None while a CUDA graph is being captured (an event recorded there would become part of the
+    graph); the call then counts as complete when it returns.
+    """
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _handle_done(handle: Any) -> bool:
+    try:
+        if isinstance(handle, list):
+            return all(_handle_done(h) for h in handle)
+        if hasattr(handle, "is_completed"):
+            return bool(handle.is_completed())
+        if hasattr(handle, "query"):
+            return bool(handle.query())
+    except Exception:  # noqa: BLE001 - a failed work counts as finished; the exception surfaces in wait()
+        return True
+    return True
+
+
+def _skipped_result(spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+    if spec.name == "batch_isend_irecv":
+        ops = kwargs.get("p2p_op_list", args[0] if args else [])
+        return [DoneWork() for _ in ops]
+    if spec.name in ("isend", "irecv"):
+        return DoneWork()
+    if spec.name == "recv":
+        src = kwargs.get("src", args[1] if len(args) > 1 else None)
+        return src if isinstance(src, int) else -1
+    if kwargs.get("async_op"):
+        return DoneWork()
+    return None
+
+
+def _change_shape(spec: OpSpec, args: tuple, kwargs: dict, pi: int) -> Any:
+    """Arguments with the payload tensor one row longer, a restore callback, and the new shape."""
+    import torch
+
+    if spec.payload is None:
+        return None
+    in_kwargs = spec.payload in kwargs
+    tensor = kwargs[spec.payload] if in_kwargs else (args[pi] if 0 <= pi < len(args) else None)
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    flat = tensor.reshape(-1) if tensor.dim() == 0 else tensor
+    bigger = torch.cat([flat, flat[:1]]).contiguous()
+    if in_kwargs:
+        kwargs = dict(kwargs, **{spec.payload: bigger})
+    else:
+        args = (*args[:pi], bigger, *args[pi + 1 :])
+    restore = None
+    if spec.name in _INPLACE and not kwargs.get("async_op"):
+
+        def restore() -> None:
+            tensor.copy_(bigger[: flat.shape[0]].reshape(tensor.shape))
+
+    return args, kwargs, restore, list(bigger.shape), bool(tensor.is_cuda)

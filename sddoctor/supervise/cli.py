@@ -1,0 +1,283 @@
+"""`sddoctor run` and `sddoctor report`: argument parsing and glue. Neither imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sddoctor.telemetry import RunDir, new_run_dir
+
+RUN_EPILOG = """\
+examples:
+  sddoctor run -- torchrun --nproc-per-node 4 train.py
+  sddoctor run --hang-timeout 60 --on-hang kill -- torchrun --nproc-per-node 2 -m trainer --preset tiny
+  sddoctor run -- accelerate launch --num_processes 2 train.py
+  SDDOCTOR_FAULT='skip:rank=1,seq=12' sddoctor run --hang-timeout 5 -- torchrun --nproc-per-node 2 train.py
+  sddoctor run --port 8765 --peers node1:8765 -- torchrun --nnodes 2 --node-rank 0 ...
+
+exit codes:
+  0     the job succeeded
+  N     the job's own exit code (128+S when the launcher died of signal S)
+  2     usage error (bad option, no command, malformed SDDOCTOR_FAULT, unusable --run-dir)
+  124   sddoctor killed the job because it hung (--on-hang kill)
+  127   the launcher command was not found
+  130   interrupted (Ctrl-C); 143 on SIGTERM
+
+The report (report.json, report.md) and stacks land in the run directory; `sddoctor report DIR`
+prints it again. Details and the report schema: docs/run.md.
+"""
+
+REPORT_EPILOG = """\
+examples:
+  sddoctor report sddoctor-runs/run-20261202-101500
+  sddoctor report --json runs/my-trainer-run
+  sddoctor report                      # the latest run under ./sddoctor-runs and ./runs
+
+exit codes:
+  0   report printed; no error-level finding
+  1   report printed; at least one error-level finding (hang, crash, OOM)
+  2   usage error: no such run directory, or nothing in it to diagnose
+"""
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
+
+
+def _ratio(text: str) -> float:
+    value = _positive(text)
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 1 (e.g. 2 = twice the others)")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not -1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"port {value} is out of range (0-65535, 0 = any free port, -1 = off)"
+        )
+    return value
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sddoctor run",
+        description="Run a distributed job under supervision; explain hangs, crashes, stragglers and OOMs.",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--run-dir", help="run directory (default: a new folder under ./sddoctor-runs/)")
+    p.add_argument(
+        "--hang-timeout",
+        type=_positive,
+        default=300.0,
+        metavar="SECONDS",
+        help="no progress (no step, no collective issued or completed) for this long is a hang (default 300)",
+    )
+    p.add_argument(
+        "--on-hang",
+        choices=("dump", "kill", "wait"),
+        default="dump",
+        help="dump: stacks + report, keep waiting (default); kill: dump, then stop the job (exit 124); "
+        "wait: report only, no stacks",
+    )
+    p.add_argument(
+        "--straggler-ratio",
+        type=_ratio,
+        default=2.0,
+        metavar="R",
+        help="a rank computing R times longer between collectives than the others is a straggler (default 2)",
+    )
+    p.add_argument(
+        "--port",
+        type=_port,
+        default=0,
+        help="port of the state endpoint (/api/state, /metrics); 0 = any free port (default), -1 = off",
+    )
+    p.add_argument(
+        "--bind", default="127.0.0.1", help="address the state endpoint listens on (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--peers",
+        default="",
+        help="other nodes' supervisors, host:port,... (this node writes the job report)",
+    )
+    p.add_argument("--native", action="store_true", help="include native frames in stack dumps (slower)")
+    p.add_argument("--json", action="store_true", help="print the final report as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress lines; only the final summary")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher command")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """`sddoctor run`."""
+    from sddoctor.instrument.faults import FAULT_ENV, FaultSpecError, parse_faults
+    from sddoctor.supervise import launch
+    from sddoctor.supervise.supervisor import EXIT_NOT_FOUND, EXIT_USAGE, Options, Supervisor
+
+    parser = run_parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print(
+            "sddoctor run: no command to run; write it after `--`, e.g. "
+            "`sddoctor run -- torchrun --nproc-per-node 2 train.py`",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        parse_faults(os.environ.get(FAULT_ENV))
+    except FaultSpecError as exc:
+        print(f"sddoctor run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if launch.resolve_executable(command) is None:
+        print(
+            f"sddoctor run: command not found: {command[0]!r}; check the spelling or your PATH",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_FOUND
+    try:
+        if args.run_dir:
+            run_dir = RunDir(Path(args.run_dir).resolve()).ensure()
+        else:
+            run_dir = new_run_dir(Path("sddoctor-runs").resolve())
+    except OSError as exc:
+        print(
+            f"sddoctor run: cannot create the run directory: {exc}; choose another with --run-dir",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    env, warning = launch.rank_env(run_dir.path)
+    kind = launch.launcher_kind(command)
+    info: dict[str, Any] = run_dir.write_run_info(
+        command=command,
+        started=time.time(),
+        started_iso=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        host=socket.gethostname(),
+        launcher=kind,
+        world_size=launch.world_size_hint(command),
+        node_rank=launch.node_rank_hint(command),
+        supervisor_pid=os.getpid(),
+        fault=os.environ.get(FAULT_ENV) or None,
+        options={
+            "hang_timeout": args.hang_timeout,
+            "on_hang": args.on_hang,
+            "straggler_ratio": args.straggler_ratio,
+        },
+    )
+    opts = Options(
+        command=command,
+        run_dir=run_dir,
+        env=env,
+        run_info=info,
+        hang_timeout=args.hang_timeout,
+        on_hang=args.on_hang,
+        straggler_ratio=args.straggler_ratio,
+        port=None if args.port == -1 else args.port,
+        bind=args.bind,
+        native=args.native,
+        quiet=args.quiet,
+        peers=[p.strip() for p in args.peers.split(",") if p.strip()],
+        node_rank=info["node_rank"],
+    )
+    sup = Supervisor(opts)
+    if warning:
+        sup.say(warning)
+    try:
+        code, report = sup.run()
+    except FileNotFoundError as exc:
+        print(f"sddoctor run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    _print_result(report, run_dir, as_json=args.json)
+    return code
+
+
+def _print_result(report: dict[str, Any], run_dir: RunDir, *, as_json: bool) -> None:
+    from sddoctor.supervise.report import render_summary
+
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render_summary(report, str(run_dir.path)), file=sys.stderr)
+
+
+def report_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sddoctor report",
+        description="Print the diagnosis of a run directory (diagnosing it now if it has no report yet).",
+        epilog=REPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "run_dir", nargs="?", help="run directory (default: the latest under ./sddoctor-runs or ./runs)"
+    )
+    p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
+    p.add_argument("--markdown", action="store_true", help="print report.md instead of the summary")
+    p.add_argument(
+        "--rediagnose", action="store_true", help="diagnose the run directory again even if it has a report"
+    )
+    return p
+
+
+def report_main(argv: list[str]) -> int:
+    """`sddoctor report`."""
+    from sddoctor.supervise.offline import diagnose_run_dir
+    from sddoctor.supervise.report import render_markdown, render_summary
+    from sddoctor.telemetry import find_latest_run, read_json
+
+    args = report_parser().parse_args(argv)
+    if args.run_dir:
+        run_dir = RunDir(args.run_dir)
+        if not run_dir.path.is_dir():
+            print(
+                f"sddoctor report: {args.run_dir!r} is not a directory; give a run directory "
+                "(one with run.json or ranks/)",
+                file=sys.stderr,
+            )
+            return 2
+    else:
+        found = find_latest_run("sddoctor-runs", "runs")
+        if found is None:
+            print(
+                "sddoctor report: no run directory found under ./sddoctor-runs or ./runs; "
+                "give one: sddoctor report DIR",
+                file=sys.stderr,
+            )
+            return 2
+        run_dir = found
+    report = None if args.rediagnose else read_json(run_dir.report_json)
+    if report is None:
+        if not run_dir.ranks_dir.is_dir() and not run_dir.run_json.exists():
+            print(
+                f"sddoctor report: {run_dir.path} has no report.json, run.json or ranks/: "
+                "not a sddoctor or trainer run directory",
+                file=sys.stderr,
+            )
+            return 2
+        report = diagnose_run_dir(run_dir)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    elif args.markdown:
+        print(render_markdown(report))
+    else:
+        print(render_summary(report, str(run_dir.path)))
+    errors = [v for v in report.get("verdicts") or [] if v.get("severity") == "error"]
+    return 1 if errors else 0

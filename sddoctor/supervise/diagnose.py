@@ -1,0 +1,854 @@
+"""The diagnosis: pure functions from a `RunState` to a list of `Verdict`s.
+
+No I/O here. Each function looks at one kind of trouble:
+
+- `diagnose_crash`: which rank died first (signal, exit code, traceback); ranks that died as a
+  consequence (torchrun's SIGTERM, "connection reset by peer") are not blamed.
+- `diagnose_oom`: out-of-memory events, and whether the trainer's fallback absorbed them.
+- `diagnose_hang`: no progress for `hang_timeout`; classified by where each rank is.
+- `diagnose_straggler`: the rank that makes the others wait inside collectives.
+
+`diagnose` runs them all and orders the verdicts most severe first.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from statistics import median
+from typing import Any
+
+from sddoctor.supervise.state import VERDICT_KINDS, RankState, RunState, Verdict
+
+#: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
+_PEER_FAILURE = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|peer|socket timeout|timed out|"
+    r"communicator was aborted|nccl.*abort|remote process exited|heartbeat|watchdog",
+    re.IGNORECASE,
+)
+_OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)
+_MISMATCH_TEXT = re.compile(
+    r"doesn't match expected size|collective mismatch|mismatch(ed)? (in )?(size|shape)|"
+    r"Detected mismatch between collectives",
+    re.IGNORECASE,
+)
+#: Signals a launcher (or sddoctor) sends to stop the survivors after a failure.
+_STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
+_DATALOADER_FRAME = re.compile(r"torch/utils/data/|dataloader", re.IGNORECASE)
+
+
+def diagnose(state: RunState) -> list[Verdict]:
+    """Every verdict that applies to `state`, most severe first."""
+    verdicts: list[Verdict] = []
+    ooms = diagnose_oom(state)
+    fatal_oom_ranks = {v.culprit_rank for v in ooms if v.kind == "oom"}
+    verdicts += ooms
+    mismatch = diagnose_crash_mismatch(state)
+    if mismatch is not None:
+        verdicts.append(mismatch)
+    else:
+        # Ranks that stopped because another rank ran out of memory (an agreed OOM error) are
+        # part of the OOM verdict, not crashes of their own.
+        verdicts += [
+            v
+            for v in diagnose_crash(state)
+            if not fatal_oom_ranks
+            or (
+                v.culprit_rank not in fatal_oom_ranks
+                and not _OOM_TEXT.search(str((v.details.get("exception") or {}).get("message", "")))
+            )
+        ]
+    if state.hung:
+        verdicts += diagnose_hang(state)
+    verdicts += diagnose_straggler(state)
+    order = {kind: i for i, kind in enumerate(VERDICT_KINDS)}
+    severity = {"error": 0, "warning": 1, "info": 2}
+    verdicts.sort(key=lambda v: (severity.get(v.severity, 3), order.get(v.kind, 99)))
+    return verdicts
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def describe_exit(exit_info: dict[str, Any] | None) -> str:
+    if not exit_info:
+        return "ended"
+    sig = exit_info.get("signal")
+    if sig:
+        return f"was killed by signal {sig} ({signal_name(int(sig))})"
+    code = exit_info.get("code")
+    if code is None and exit_info.get("unclean"):
+        return "vanished without an exit record (killed hard: SIGKILL or the OOM killer?)"
+    return f"exited with code {code}" if code is not None else "ended"
+
+
+def _exception_location(exc: dict[str, Any] | None) -> str | None:
+    """file:line of the innermost user frame of an `exception` event."""
+    if not exc:
+        return None
+    frames = exc.get("traceback")
+    if isinstance(frames, list) and frames:
+        user = [f for f in frames if isinstance(f, str) and _is_user_frame_text(f)]
+        chosen = (user or [f for f in frames if isinstance(f, str)] or [None])[-1]
+        if chosen:
+            return chosen.split(" in ")[0].strip()
+    caller = exc.get("caller")
+    return str(caller) if caller else None
+
+
+def _is_user_frame_text(text: str) -> bool:
+    path = text.split(" in ")[0]
+    return not any(s in path for s in ("site-packages", "dist-packages", "/sddoctor/", "/lib/python"))
+
+
+def _fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
+    for event in reversed(rank.faults):
+        spec = str(event.get("fault", ""))
+        if spec.split(":", 1)[0] in kinds:
+            return event
+    return None
+
+
+def _where(rank: RankState) -> tuple[str | None, str]:
+    """Where a rank is now (file:line or None) and a phrase saying how we know."""
+    if rank.stack and rank.stack.get("top_user_frame"):
+        frame = rank.stack["top_user_frame"]
+        func = rank.stack.get("top_user_function")
+        return frame, f"its stack is at {frame}" + (f" in {func}()" if func else "")
+    phase = rank.state.get("phase")
+    done = rank.last_done
+    if done and done.get("caller"):
+        text = f"its last completed collective was {done.get('op')} #{done.get('seq')} at {done['caller']}"
+        if phase:
+            text += f", phase {phase!r}"
+        return str(done["caller"]), text
+    if phase:
+        return None, f"it is in phase {phase!r}"
+    return None, "no stack or collective record says where"
+
+
+def _death_time(rank: RankState) -> float:
+    for candidate in (
+        (rank.exit or {}).get("t"),
+        (rank.exception or {}).get("t"),
+        rank.state.get("t"),
+    ):
+        if isinstance(candidate, (int, float)):
+            return float(candidate)
+    return float("inf")
+
+
+def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
+    """The best-known exit of a rank: its own record, else what the launcher reported."""
+    exit_info = dict(rank.exit) if rank.exit else None
+    for failure in state.launcher_failures:
+        if failure.get("rank") == rank.rank:
+            code = failure.get("exitcode")
+            merged = exit_info or {}
+            # The launcher saw the real wait status; a rank's own exit event is written before it dies.
+            if isinstance(code, int) and merged.get("source") != "wait status":
+                merged.pop("signal", None)
+                merged.pop("code", None)
+                merged.pop("unclean", None)
+                if code < 0:
+                    merged["signal"] = -code
+                else:
+                    merged["code"] = code
+                merged["source"] = "launcher"
+            exit_info = merged
+    return exit_info
+
+
+def _abnormal(exit_info: dict[str, Any] | None) -> bool:
+    if not exit_info:
+        return False
+    if exit_info.get("unclean"):
+        return True  # gone without an exit record: killed hard (SIGKILL, the OOM killer)
+    return bool(exit_info.get("signal")) or exit_info.get("code") not in (0, None)
+
+
+# -- crash ------------------------------------------------------------------------------------
+
+
+def diagnose_crash(state: RunState) -> list[Verdict]:
+    """The rank that died first and why; the others that followed are named but not blamed."""
+    candidates: list[tuple[RankState, dict[str, Any] | None]] = []
+    for rank in state.ranks.values():
+        exit_info = rank_exit(rank, state)
+        if _abnormal(exit_info) or rank.exception is not None:
+            if state.stopped_at is not None and _death_time(rank) >= state.stopped_at - 0.5:
+                continue  # sddoctor stopped it (or it fell over while being stopped)
+            candidates.append((rank, exit_info))
+    if not candidates:
+        job = state.job_exit
+        if job and job.get("code") not in (0, None) and state.stopped_by_supervisor is None:
+            return [_job_only_crash(state, job)]
+        return []
+
+    def blame_key(item: tuple[RankState, dict[str, Any] | None]) -> tuple[int, int, float]:
+        rank, exit_info = item
+        sig = (exit_info or {}).get("signal")
+        message = str((rank.exception or {}).get("message", ""))
+        victim = int(bool(sig and int(sig) in _STOP_SIGNALS)) + int(bool(_PEER_FAILURE.search(message)))
+        root = (
+            0
+            if any(f.get("rank") == rank.rank and f.get("root_cause") for f in state.launcher_failures)
+            else 1
+        )
+        return (victim, root if len(candidates) > 1 else 0, _death_time(rank))
+
+    # Death time first: the earliest death is the cause unless it is clearly a victim.
+    by_time = sorted(candidates, key=lambda item: _death_time(item[0]))
+    first_time = _death_time(by_time[0][0])
+    near = [c for c in candidates if _death_time(c[0]) - first_time <= 1.0]
+    primary, exit_info = min(near, key=blame_key) if near else by_time[0]
+    if blame_key((primary, exit_info))[0] > 0:
+        # The earliest was a victim (e.g. it saw the connection drop); prefer a non-victim if any.
+        non_victims = [c for c in candidates if blame_key(c)[0] == 0]
+        if non_victims:
+            primary, exit_info = min(non_victims, key=lambda c: _death_time(c[0]))
+    others = sorted(r.rank for r, _ in candidates if r.rank != primary.rank)
+    return [_crash_verdict(state, primary, exit_info, others)]
+
+
+def _crash_verdict(
+    state: RunState, rank: RankState, exit_info: dict[str, Any] | None, others: list[int]
+) -> Verdict:
+    exc = rank.exception
+    fault = _fault_of(rank, ("kill", "raise"))
+    location = _exception_location(exc) or (fault or {}).get("caller") or _where(rank)[0]
+    step = rank.state.get("step")
+    how = describe_exit(exit_info) if exit_info else "raised an exception"
+    if exc and not (exit_info or {}).get("signal"):
+        how = f"raised {exc.get('type', 'an exception')}: {str(exc.get('message', '')).strip()[:160]}"
+    summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
+    if location:
+        summary += f" at {location}"
+    if others:
+        summary += f"; rank{'s' if len(others) > 1 else ''} {_join(others)} stopped as a consequence"
+    evidence = []
+    if exit_info:
+        evidence.append(
+            f"rank {rank.rank} {describe_exit(exit_info)} (source: {exit_info.get('source', '?')})"
+        )
+    if exc:
+        evidence.append(f"exception event of rank {rank.rank}: {exc.get('type')}: {exc.get('message')}")
+    if fault:
+        evidence.append(
+            f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"
+        )
+    for failure in state.launcher_failures:
+        if failure.get("root_cause"):
+            evidence.append(
+                f"launcher's first observed failure: rank {failure.get('rank')} exitcode {failure.get('exitcode')}"
+            )
+    traceback = exc.get("traceback") if exc else None
+    if not traceback and len(state.ranks) <= 1:
+        traceback = last_traceback(state.stderr_tail)
+    details: dict[str, Any] = {
+        "rank": rank.rank,
+        "exit": exit_info,
+        "step": step,
+        "traceback": traceback,
+        "consequences": others,
+        "died_at": _death_time(rank) if _death_time(rank) != float("inf") else None,
+    }
+    if exc:
+        details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
+    return Verdict(
+        kind="crash",
+        severity="error",
+        summary=summary,
+        culprit_rank=rank.rank,
+        location=location,
+        details=details,
+        evidence=evidence,
+    )
+
+
+def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:
+    code = job.get("code")
+    traceback = last_traceback(state.stderr_tail)
+    location = None
+    frames = [f for f in traceback or [] if " in " in f]
+    if frames:
+        user = [f for f in frames if _is_user_frame_text(f)]
+        location = (user or frames)[-1].split(" in ")[0]
+    rank = 0 if (state.world_size or len(state.ranks) or 1) == 1 else None
+    how = f"exited with code {code}"
+    if isinstance(code, int) and code < 0:
+        how = f"was killed by signal {-code} ({signal_name(-code)})"
+    return Verdict(
+        kind="crash",
+        severity="error",
+        summary=f"the job {how}" + (f" at {location}" if location else ""),
+        culprit_rank=rank,
+        location=location,
+        details={"exit": job, "traceback": traceback},
+        evidence=["no rank telemetry says more; the launcher's stderr is in the report"],
+    )
+
+
+_TB_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
+
+
+def last_traceback(lines: list[str]) -> list[str] | None:
+    """The last Python traceback in some stderr lines, as ["file:line in func", ..., "Type: message"]."""
+    start = None
+    for i, line in enumerate(lines):
+        if (
+            line.startswith("Traceback (most recent call last)")
+            or "Traceback (most recent call last)" in line
+        ):
+            start = i
+    if start is None:
+        return None
+    frames: list[str] = []
+    for line in lines[start + 1 :]:
+        m = _TB_LINE.match(line)
+        if m:
+            frames.append(f"{m.group(1)}:{m.group(2)} in {m.group(3)}")
+        elif line and not line.startswith(" ") and frames:
+            frames.append(line.strip())
+            break
+    return frames or None
+
+
+def diagnose_crash_mismatch(state: RunState) -> Verdict | None:
+    """A collective mismatch that made the backend abort (gloo does, NCCL may hang instead)."""
+    text = "\n".join(state.stderr_tail)
+    messages = [str((r.exception or {}).get("message", "")) for r in state.ranks.values()]
+    if not (_MISMATCH_TEXT.search(text) or any(_MISMATCH_TEXT.search(m) for m in messages)):
+        return None
+    verdict = _mismatch_from_sightings(state)
+    if verdict is None:
+        verdict = Verdict(
+            kind="hang.mismatch",
+            severity="error",
+            summary="ranks disagree on a collective (the backend reported a size mismatch and aborted)",
+        )
+    verdict.details["ended"] = "crash"
+    verdict.evidence.append("the backend aborted: " + _first_match(_MISMATCH_TEXT, [text, *messages]))
+    return verdict
+
+
+def _first_match(pattern: re.Pattern[str], texts: list[str]) -> str:
+    for text in texts:
+        for line in text.splitlines():
+            if pattern.search(line):
+                return line.strip()[:300]
+    return ""
+
+
+# -- OOM --------------------------------------------------------------------------------------
+
+
+def _gib(value: Any) -> str:
+    return f"{value / 2**30:.2f} GiB" if isinstance(value, (int, float)) else "?"
+
+
+def diagnose_oom(state: RunState) -> list[Verdict]:
+    verdicts: list[Verdict] = []
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        for oom in rank.ooms:
+            t = oom.get("t", 0.0)
+            fallback = next(
+                (
+                    f
+                    for r in state.ranks.values()
+                    for f in r.fallbacks
+                    if f.get("t", 0.0) >= t - 1.0
+                    and (f.get("step") in (None, oom.get("step")) or r.rank == rank.rank)
+                ),
+                None,
+            )
+            if fallback is None and not rank.exited and state.job_exit is None and state.now - t < 10.0:
+                continue  # the fallback may still be on its way: decide once it came or the rank died
+            phase = oom.get("phase", "?")
+            if oom.get("mem_alloc") is None and oom.get("mem_total") is None:
+                mem = "no device memory figures: not on a CUDA device"
+            else:
+                mem = (
+                    f"allocated {_gib(oom.get('mem_alloc'))}, reserved {_gib(oom.get('mem_reserved'))}"
+                    f" of {_gib(oom.get('mem_total'))}"
+                )
+            details = {k: oom.get(k) for k in ("step", "phase", "micro_batch", "grad_accum") if k in oom}
+            details.update(
+                mem_alloc=oom.get("mem_alloc"),
+                mem_reserved=oom.get("mem_reserved"),
+                mem_total=oom.get("mem_total"),
+            )
+            evidence = [f"oom event of rank {rank.rank}: {str(oom.get('message', ''))[:200]}"]
+            if fallback is not None:
+                details["fallback"] = {k: v for k, v in fallback.items() if k not in ("v", "kind")}
+                summary = (
+                    f"rank {rank.rank} ran out of memory in {phase} at step {oom.get('step')} ({mem}); "
+                    f"the trainer's fallback recovered: micro-batch {fallback.get('old_micro_batch')}"
+                    f" -> {fallback.get('new_micro_batch')}, grad_accum {fallback.get('old_grad_accum')}"
+                    f" -> {fallback.get('new_grad_accum')}"
+                )
+                verdicts.append(
+                    Verdict("oom.recovered", "info", summary, rank.rank, oom.get("caller"), details, evidence)
+                )
+            else:
+                summary = f"rank {rank.rank} ran out of memory in {phase} at step {oom.get('step')} ({mem})"
+                if rank.exception:
+                    details["exception"] = {k: rank.exception.get(k) for k in ("type", "message")}
+                    details["traceback"] = rank.exception.get("traceback")
+                    summary += f"; it stopped with {rank.exception.get('type')}"
+                location = oom.get("caller") or _exception_location(rank.exception)
+                verdicts.append(Verdict("oom", "error", summary, rank.rank, location, details, evidence))
+        exc = rank.exception
+        any_oom_event = any(r.ooms for r in state.ranks.values())
+        if not any_oom_event and exc and _OOM_TEXT.search(f"{exc.get('type')} {exc.get('message')}"):
+            verdicts.append(
+                Verdict(
+                    "oom",
+                    "error",
+                    f"rank {rank.rank} died of out-of-memory: {str(exc.get('message'))[:160]}",
+                    rank.rank,
+                    _exception_location(exc),
+                    {
+                        "step": rank.state.get("step"),
+                        "phase": rank.state.get("phase"),
+                        "traceback": exc.get("traceback"),
+                    },
+                    [f"exception event of rank {rank.rank}: {exc.get('type')}"],
+                )
+            )
+    return verdicts
+
+
+# -- hang -------------------------------------------------------------------------------------
+
+
+def _position(rank: RankState) -> str:
+    if rank.exited:
+        return f"rank {rank.rank}: {describe_exit(rank.exit)}"
+    inflight = rank.inflight
+    if inflight:
+        c = max(inflight, key=lambda c: c.get("since", 0.0))
+        return (
+            f"rank {rank.rank}: inside {c.get('op')} #{c.get('seq')} (pg {c.get('pg')}, shapes {c.get('shapes')})"
+            f" called at {c.get('caller')}"
+        )
+    return f"rank {rank.rank}: not in a collective; {_where(rank)[1]}"
+
+
+def _expected_ranks(state: RunState) -> list[int]:
+    ranks = set(state.ranks)
+    if state.world_size:
+        ranks |= set(range(state.world_size))
+    return sorted(ranks)
+
+
+def _in_dataloader(rank: RankState) -> bool:
+    if rank.state.get("phase") == "data":
+        return True
+    frames = (rank.stack or {}).get("frames") or []
+    return any(_DATALOADER_FRAME.search(str(f)) for f in frames)
+
+
+def diagnose_hang(state: RunState) -> list[Verdict]:
+    """Classify a hang by where every rank is: who is missing, who disagrees, or all waiting."""
+    stalled = round(state.stalled_for, 1)
+    expected = _expected_ranks(state)
+    # The collective the waiting ranks are stuck in: per pg, the highest seq in flight.
+    waiting: dict[tuple[str, int], list[int]] = {}
+    calls: dict[int, dict[str, Any]] = {}
+    for rank in state.ranks.values():
+        if rank.exited or not rank.inflight:
+            continue
+        c = max(rank.inflight, key=lambda c: c.get("seq") or 0)
+        calls[rank.rank] = c
+        waiting.setdefault((str(c.get("pg")), int(c.get("seq") or 0)), []).append(rank.rank)
+    evidence = [
+        _position(state.ranks[r]) if r in state.ranks else f"rank {r}: never reported" for r in expected
+    ]
+    if state.stacks_problem:
+        evidence.append(f"stacks: {state.stacks_problem}")
+    base = {"stalled_seconds": stalled, "hang_timeout": state.hang_timeout}
+
+    if not waiting:
+        loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]
+        if loaders:
+            culprit = state.ranks[loaders[0]]
+            location, how = _where(culprit)
+            return [
+                Verdict(
+                    "hang.dataloader",
+                    "error",
+                    f"no progress for {stalled:.0f} s: rank {_join(loaders)} stuck loading data; {how}",
+                    loaders[0],
+                    location,
+                    {**base, "ranks": loaders},
+                    evidence,
+                )
+            ]
+        return [
+            Verdict(
+                "hang.unknown",
+                "error",
+                f"no progress for {stalled:.0f} s and no rank is inside a collective; see each rank's stack",
+                None,
+                None,
+                base,
+                evidence,
+            )
+        ]
+
+    # The collective most ranks wait in is "#k"; everyone else is "missing" from it.
+    (pg, seq), waiters = max(waiting.items(), key=lambda kv: (len(kv[1]), kv[0][1]))
+    call = calls[waiters[0]]
+    where_call = f"{call.get('op')} #{seq} on pg {pg} (called at {call.get('caller')})"
+    not_waiting = [r for r in expected if r not in waiters]
+    out_of_step = [r for r in not_waiting if r in calls]  # waiting, but in another collective
+    absent = [r for r in not_waiting if r not in calls]
+    details = {**base, "pg": pg, "seq": seq, "op": call.get("op"), "waiting_ranks": sorted(waiters)}
+
+    # A rank whose heartbeat stopped is frozen (SIGSTOP, a debugger, native code holding the GIL,
+    # D state): its snapshot is stale, so its seq cannot be compared; it is the culprit either way.
+    live = [r for r in expected if r in state.ranks and not state.ranks[r].exited]
+    frozen = _frozen_ranks(state, live)
+    if frozen and len(frozen) < len(live):
+        culprit = frozen[0]
+        others = sorted(r for r in waiters if r not in frozen)
+        ages = {r: round(state.now - float(state.ranks[r].state.get("heartbeat") or 0.0), 1) for r in frozen}
+        location, how = _where(state.ranks[culprit])
+        inside = culprit in calls
+        if inside:
+            location = location if state.ranks[culprit].stack else calls[culprit].get("caller")
+        summary = (
+            f"hang: rank {_join(frozen)} stopped responding (heartbeat {max(ages.values()):.0f} s old) "
+            + (f"inside {calls[culprit].get('op')} #{calls[culprit].get('seq')}" if inside else f"({how})")
+            + f": its process is frozen (stopped, traced, or stuck in native code); "
+            f"rank{'s' if len(others) > 1 else ''} {_join(others)} wait{'' if len(others) > 1 else 's'} "
+            f"in {where_call}"
+        )
+        details.update(frozen_ranks=frozen, heartbeat_age=ages)
+        kind = "hang.comm" if inside else "hang.missing_rank"
+        return [Verdict(kind, "error", summary, culprit, location, details, evidence)]
+
+    # Ranks that wait in the same seq but disagree on op/shapes.
+    signatures: dict[str, list[int]] = {}
+    for r in waiters:
+        c = calls[r]
+        signatures.setdefault(f"{c.get('op')} {c.get('shapes')}", []).append(r)
+    if len(signatures) > 1 or out_of_step:
+        return [_mismatch_verdict(state, pg, seq, waiters, out_of_step, calls, details, evidence)]
+
+    if absent:
+        culprits = absent
+        loaders = [r for r in culprits if r in state.ranks and _in_dataloader(state.ranks[r])]
+        culprit_rank = _pick_culprit(state, culprits, ("skip",))
+        rank = state.ranks.get(culprit_rank)
+        if rank is None:
+            location, how = None, "it never wrote any telemetry"
+        elif rank.exited:
+            fault = _fault_of(rank, ("skip",))
+            location = (fault or {}).get("caller") or _exception_location(rank.exception) or _where(rank)[0]
+            how = f"it {describe_exit(rank_exit(rank, state))}"
+        else:
+            location, how = _where(rank)
+            fault = _fault_of(rank, ("skip",))
+            if fault and not (rank.stack or {}).get("top_user_frame"):
+                location = fault.get("caller") or location
+        fault = _fault_of(rank, ("skip",)) if rank else None
+        if fault:
+            evidence.append(
+                f"injected fault {fault.get('fault')!r} fired on rank {culprit_rank} at {fault.get('caller')}"
+            )
+        kind = "hang.dataloader" if loaders else "hang.missing_rank"
+        stuck = " is stuck in its DataLoader and" if loaders else ""
+        summary = (
+            f"hang: rank {culprit_rank}{stuck} never reached {where_call}; {how}. "
+            f"Rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} "
+            f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
+        )
+        details.update(missing_ranks=culprits, culprit_issued=rank.issued(pg) if rank else None)
+        return [Verdict(kind, "error", summary, culprit_rank, location, details, evidence)]
+
+    # Everyone is inside the same collective with the same signature: the collective is stuck.
+    if state.flight_recorder:
+        details["flight_recorder"] = state.flight_recorder
+    summary = (
+        f"hang: all {len(waiters)} ranks wait inside {where_call} for {stalled:.0f} s with matching "
+        "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
+    )
+    return [Verdict("hang.comm", "error", summary, None, call.get("caller"), details, evidence)]
+
+
+def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list[int]:
+    """Ranks whose heartbeat thread stopped ticking while their peers' still tick."""
+    out = []
+    for r in ranks:
+        if state.ranks[r].remote:
+            continue  # another host's clock: a skew would look like a stale heartbeat
+        beat = state.ranks[r].state.get("heartbeat")
+        if isinstance(beat, (int, float)) and state.now - beat > stale:
+            out.append(r)
+    return sorted(out)
+
+
+def _mismatch_verdict(
+    state: RunState,
+    pg: str,
+    seq: int,
+    waiters: list[int],
+    out_of_step: list[int],
+    calls: dict[int, dict[str, Any]],
+    details: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    involved = sorted(set(waiters) | set(out_of_step))
+    groups: dict[str, list[int]] = {}
+    for r in involved:
+        c = calls[r]
+        groups.setdefault(f"{c.get('op')} #{c.get('seq')} shapes {c.get('shapes')}", []).append(r)
+    minority = min(groups.values(), key=len) if len(groups) > 1 else []
+    suspects = (
+        minority
+        if len(minority) < len(involved) / 2
+        else [r for r in involved if _shape_changed(state, r, calls[r])]
+    )
+    culprit = _pick_culprit(state, suspects or involved, ("shape", "skip"), require_evidence=not suspects)
+    parts = [
+        f"rank {r}: {calls[r].get('op')} #{calls[r].get('seq')} shapes {calls[r].get('shapes')}"
+        for r in involved
+    ]
+    summary = f"hang: ranks disagree on collective #{seq} (pg {pg}): " + "; ".join(parts)
+    location = calls[culprit].get("caller") if culprit is not None and culprit in calls else None
+    details.update(calls={str(r): calls[r] for r in involved}, out_of_step_ranks=out_of_step)
+    fault = _fault_of(state.ranks[culprit], ("shape", "skip")) if culprit in state.ranks else None
+    if fault:
+        evidence.append(
+            f"injected fault {fault.get('fault')!r} fired on rank {culprit} at {fault.get('caller')}"
+        )
+        location = location or fault.get("caller")
+    return Verdict("hang.mismatch", "error", summary, culprit, location, details, evidence)
+
+
+def _shape_changed(state: RunState, rank_id: int, call: dict[str, Any]) -> bool:
+    """True when this rank called the same site before with other shapes (it is the odd one)."""
+    rank = state.ranks.get(rank_id)
+    if rank is None:
+        return False
+    for sightings in rank.arrivals.values():
+        for arrival in sightings.values():
+            if arrival.caller == call.get("caller") and arrival.shapes not in (None, call.get("shapes")):
+                return True
+    return False
+
+
+def _mismatch_from_sightings(state: RunState) -> Verdict | None:
+    """Find the seq at which ranks' recorded ops/shapes differ (from sightings and in-flight calls)."""
+    table: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    for rank in state.ranks.values():
+        for pg, sightings in rank.arrivals.items():
+            for seq, a in sightings.items():
+                table.setdefault((pg, seq), {})[rank.rank] = {
+                    "pg": pg,
+                    "seq": seq,
+                    "op": a.op,
+                    "shapes": a.shapes,
+                    "caller": a.caller,
+                }
+        for c in rank.inflight:
+            table.setdefault((str(c.get("pg")), int(c.get("seq") or 0)), {})[rank.rank] = c
+    for (pg, seq), calls in sorted(table.items(), key=lambda kv: kv[0][1]):
+        if len(calls) < 2:
+            continue
+        if len({f"{c.get('op')} {c.get('shapes')}" for c in calls.values()}) > 1:
+            return _mismatch_verdict(state, pg, seq, sorted(calls), [], calls, {"pg": pg, "seq": seq}, [])
+    # No two sightings of the same seq: fall back on an injected shape fault, if one fired.
+    for rank in state.ranks.values():
+        fault = _fault_of(rank, ("shape",))
+        if fault:
+            return Verdict(
+                "hang.mismatch",
+                "error",
+                f"ranks disagree on collective #{fault.get('seq')}: rank {rank.rank} changed its shapes",
+                rank.rank,
+                fault.get("caller"),
+                {"seq": fault.get("seq"), "shapes": fault.get("shapes")},
+                [f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"],
+            )
+    return None
+
+
+def _pick_culprit(
+    state: RunState, suspects: list[int], fault_kinds: tuple[str, ...], require_evidence: bool = False
+) -> int | None:
+    """One rank among suspects: the one an injected fault fired on, else the lowest (or None)."""
+    for r in suspects:
+        if r in state.ranks and _fault_of(state.ranks[r], fault_kinds):
+            return r
+    if require_evidence and len(suspects) > 1:
+        return None
+    return min(suspects) if suspects else None
+
+
+# -- straggler --------------------------------------------------------------------------------
+
+
+def rank_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
+    """Per collective: mean period between arrivals, mean time inside, compute = period - inside.
+
+    Uses sparse sightings: two sightings of seqs k1 < k2 at enqueue times t1 < t2 give the mean
+    period (t2 - t1) / (k2 - k1), whatever happened in between.
+    """
+    exact = totals_timing(rank, since)
+    if exact is not None:
+        return exact
+    best: dict[str, float] | None = None
+    for sightings in rank.arrivals.values():
+        items = sorted((seq, a) for seq, a in sightings.items() if since is None or a.enqueue >= since)
+        if len(items) < 3 or items[-1][0] == items[0][0]:
+            continue
+        period = (items[-1][1].enqueue - items[0][1].enqueue) / (items[-1][0] - items[0][0])
+        durations = [a.duration for _, a in items if a.duration is not None]
+        if not durations or period <= 0:
+            continue
+        inside = sum(durations) / len(durations)
+        timing = {
+            "period": period,
+            "inside": inside,
+            "compute": max(0.0, period - inside),
+            "samples": float(len(durations)),
+        }
+        if best is None or timing["samples"] > best["samples"]:
+            best = timing
+    return best or ddp_timing(rank, since)
+
+
+def totals_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
+    """Per collective, from the tracer's cumulative totals (count, seconds inside): exact means."""
+    samples = [s for s in rank.totals_samples if since is None or s[0] >= since]
+    if len(samples) < 3:
+        return None
+    (t0, n0, sec0), (t1, n1, sec1) = samples[0], samples[-1]
+    count = n1 - n0
+    if count < 3 or t1 <= t0:
+        return None
+    period = (t1 - t0) / count
+    inside = max(0.0, sec1 - sec0) / count
+    return {
+        "period": period,
+        "inside": inside,
+        "compute": max(0.0, period - inside),
+        "samples": float(len(samples)),
+    }
+
+
+def ddp_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
+    """Per training step, from the DDP comm hook counters: period, time inside bucket all-reduces,
+    compute = period - inside. For DDP jobs whose only collectives are the gradient buckets."""
+    samples = [s for s in rank.ddp_samples if since is None or s[0] >= since]
+    if len(samples) < 3:
+        return None
+    (t0, _, sec0, step0), (t1, _, sec1, step1) = samples[0], samples[-1]
+    steps = step1 - step0
+    if steps <= 0 or t1 <= t0:
+        return None
+    period = (t1 - t0) / steps
+    inside = max(0.0, sec1 - sec0) / steps
+    return {
+        "period": period,
+        "inside": inside,
+        "compute": max(0.0, period - inside),
+        "samples": float(len(samples)),
+    }
+
+
+def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
+    """The rank that computes longest between collectives while the others wait for it.
+
+    Under DDP all ranks share one step time (fast ranks wait inside the collectives), so step
+    time cannot tell; the time spent *outside* collectives can.
+    """
+    # The window ends at the latest sighting, not at `now`: a finished run is judged on its end.
+    latest = max(
+        [a.enqueue for r in state.ranks.values() for s in r.arrivals.values() for a in s.values()]
+        + [s[0] for r in state.ranks.values() for s in r.ddp_samples]
+        + [s[0] for r in state.ranks.values() for s in r.totals_samples],
+        default=state.now,
+    )
+    since = min(state.now, latest) - window
+    timings = {r.rank: t for r in state.ranks.values() if (t := rank_timing(r, since))}
+    if len(timings) < 2:
+        return []
+    slow = max(timings, key=lambda r: timings[r]["compute"])
+    others = [t for r, t in timings.items() if r != slow]
+    other_compute = median(t["compute"] for t in others)
+    other_wait = median(t["inside"] for t in others)
+    mine = timings[slow]
+    ratio = mine["compute"] / max(other_compute, 1e-3)
+    # Absolute floors keep a healthy job of tiny collectives (noise of a few ms) out.
+    if ratio < state.straggler_ratio or mine["compute"] - other_compute < 0.05 or other_wait < 0.05:
+        return []
+    if other_wait < 0.2 * mine["period"]:
+        return []
+    rank = state.ranks[slow]
+    last_arrivals = _last_arrival_counts(state)
+    # Where it arrives late: the call site it most often enters collectives from.
+    callers: dict[str, int] = {}
+    for sightings in rank.arrivals.values():
+        for a in sightings.values():
+            if a.caller and a.enqueue >= since:
+                callers[a.caller] = callers.get(a.caller, 0) + 1
+    location = max(callers, key=lambda c: callers[c]) if callers else _where(rank)[0]
+    summary = (
+        f"straggler: rank {slow} computes {mine['compute']:.3f} s between collectives, {ratio:.1f}x the others "
+        f"({other_compute:.3f} s); they wait {other_wait:.3f} s per collective for it"
+    )
+    evidence = [
+        f"rank {r}: period {t['period']:.3f} s, inside collectives {t['inside']:.3f} s, compute {t['compute']:.3f} s"
+        f" ({int(t['samples'])} samples)"
+        for r, t in sorted(timings.items())
+    ]
+    if sum(last_arrivals.values()) >= 3:
+        total = sum(last_arrivals.values())
+        evidence.append(
+            f"last to arrive at collectives seen on all ranks: rank {slow} in {last_arrivals.get(slow, 0)} of {total}"
+        )
+    details = {
+        "ratio": round(ratio, 2),
+        "threshold": state.straggler_ratio,
+        "timings": {str(r): {k: round(v, 4) for k, v in t.items()} for r, t in timings.items()},
+        "others_wait_seconds": round(other_wait, 4),
+        "last_arrivals": {str(k): v for k, v in last_arrivals.items()},
+    }
+    if rank.faults:
+        fault = _fault_of(rank, ("sleep",))
+        if fault:
+            evidence.append(
+                f"injected fault {fault.get('fault')!r} fired on rank {slow} at {fault.get('caller')}"
+            )
+            location = location or fault.get("caller")
+    return [Verdict("straggler", "warning", summary, slow, location, details, evidence)]
+
+
+def _last_arrival_counts(state: RunState) -> dict[int, int]:
+    """For each collective sighted on every live rank: who arrived last (counts per rank)."""
+    live = [r for r in state.ranks.values() if not r.exited]
+    counts: dict[int, int] = {}
+    if len(live) < 2:
+        return counts
+    pgs = set.intersection(*(set(r.arrivals) for r in live))
+    for pg in pgs:
+        seqs = set.intersection(*(set(r.arrivals[pg]) for r in live))
+        for seq in seqs:
+            last = max(live, key=lambda r: r.arrivals[pg][seq].enqueue)
+            counts[last.rank] = counts.get(last.rank, 0) + 1
+    return counts
+
+
+def _join(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

@@ -1,0 +1,170 @@
+"""report.json (versioned schema, see docs/run.md), report.md and the short summary on the terminal."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from sddoctor.supervise.state import RankState, RunState, Verdict
+from sddoctor.telemetry import RunDir
+from sddoctor.telemetry.layout import atomic_write_text
+
+REPORT_SCHEMA = "sddoctor.report"
+REPORT_VERSION = 1
+
+
+def rank_summary(rank: RankState) -> dict[str, Any]:
+    """The per-rank part of report.json and of /api/state (snapshot fields plus exit and stack)."""
+    out: dict[str, Any] = dict(rank.state)
+    out["rank"] = rank.rank
+    if rank.pid is not None:
+        out["pid"] = rank.pid
+    if rank.host:
+        out["host"] = rank.host
+    out["alive"] = rank.alive
+    if rank.remote:
+        out["remote"] = True
+    if rank.exit:
+        out["exit"] = rank.exit
+    if rank.exception:
+        out["exception"] = {k: rank.exception.get(k) for k in ("t", "type", "message", "traceback", "caller")}
+    if rank.stack:
+        out["stack"] = {k: v for k, v in rank.stack.items() if k != "frames"}
+        out["stack"]["frames"] = (rank.stack.get("frames") or [])[:40]
+    if rank.faults:
+        out["faults"] = [{k: v for k, v in f.items() if k not in ("v", "kind")} for f in rank.faults]
+    return out
+
+
+def build_report(
+    state: RunState,
+    verdicts: list[Verdict],
+    *,
+    run_info: dict[str, Any],
+    outcome: str,
+    exit_code: int | None,
+    job_exit_code: int | None,
+) -> dict[str, Any]:
+    return {
+        "schema": REPORT_SCHEMA,
+        "version": REPORT_VERSION,
+        "generated": time.time(),
+        "run": run_info,
+        "outcome": outcome,
+        "exit_code": exit_code,
+        "job_exit_code": job_exit_code,
+        "duration_seconds": round(state.now - state.started, 3),
+        "world_size": state.world_size,
+        "hang_timeout": state.hang_timeout,
+        "straggler_ratio": state.straggler_ratio,
+        "verdicts": [v.to_dict() for v in verdicts],
+        "ranks": {str(r): rank_summary(state.ranks[r]) for r in sorted(state.ranks)},
+        "stacks": {"dir": "stacks", "problem": state.stacks_problem},
+        "flight_recorder": state.flight_recorder,
+        "launcher": {
+            "failures": state.launcher_failures,
+            "stderr_tail": state.stderr_tail[-60:],
+        },
+    }
+
+
+def write_report(run_dir: RunDir, report: dict[str, Any]) -> None:
+    atomic_write_text(run_dir.report_json, json.dumps(report, indent=2, default=str))
+    atomic_write_text(run_dir.report_md, render_markdown(report))
+
+
+def headline(report: dict[str, Any]) -> str:
+    verdicts = report.get("verdicts") or []
+    outcome = report.get("outcome", "?")
+    code = report.get("exit_code")
+    if not verdicts:
+        return f"sddoctor: {outcome} (exit code {code}); no problem found"
+    return (
+        f"sddoctor: {outcome} (exit code {code}); {len(verdicts)} finding{'s' if len(verdicts) > 1 else ''}"
+    )
+
+
+def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
+    """The few lines printed at the end of `sddoctor run` and by `sddoctor report`."""
+    lines = [headline(report)]
+    for v in report.get("verdicts") or []:
+        where = []
+        if v.get("culprit_rank") is not None:
+            where.append(f"rank {v['culprit_rank']}")
+        if v.get("location"):
+            where.append(str(v["location"]))
+        lines.append(f"  [{v.get('severity')}] {v.get('kind')}" + (f" ({', '.join(where)})" if where else ""))
+        lines.append(f"      {v.get('summary')}")
+    problem = (report.get("stacks") or {}).get("problem")
+    if problem:
+        lines.append(f"  stacks: {problem}")
+    if run_dir:
+        lines.append(f"  report: {run_dir}/report.md (report.json for machines)")
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    run = report.get("run") or {}
+    out = [
+        "# sddoctor report",
+        "",
+        f"- command: `{' '.join(run.get('command') or [])}`",
+        f"- host: {run.get('host')}, world size: {report.get('world_size')}",
+        f"- outcome: **{report.get('outcome')}**, exit code {report.get('exit_code')}"
+        f" (job: {report.get('job_exit_code')}), {report.get('duration_seconds')} s",
+        "",
+        "## Verdicts",
+        "",
+    ]
+    verdicts = report.get("verdicts") or []
+    if not verdicts:
+        out.append("No problem found.")
+    for v in verdicts:
+        out.append(f"### {v.get('kind')} ({v.get('severity')})")
+        out.append("")
+        out.append(str(v.get("summary")))
+        out.append("")
+        out.append(f"- culprit rank: {v.get('culprit_rank')}")
+        out.append(f"- location: `{v.get('location')}`")
+        for e in v.get("evidence") or []:
+            out.append(f"- {e}")
+        tb = (v.get("details") or {}).get("traceback")
+        if tb:
+            out += ["", "```", *[str(x) for x in tb], "```"]
+        out.append("")
+    out += [
+        "## Ranks",
+        "",
+        "| rank | pid | alive | step | phase | last collective | in flight | exit | stack top |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in (report.get("ranks") or {}).items():
+        stack = r.get("stack") or {}
+        colls = r.get("collectives") or {}
+        done = colls.get("last_done") or {}
+        last = f"{done.get('op')} #{done.get('seq')} ({done.get('caller')})" if done else ""
+        inflight = ", ".join(
+            f"{c.get('op')} #{c.get('seq')}" for c in colls.get("inflight") or [] if isinstance(c, dict)
+        )
+        out.append(
+            f"| {key} | {r.get('pid')} | {r.get('alive')} | {r.get('step')} | {r.get('phase')} | {last} | {inflight} "
+            f"| {_exit_text(r.get('exit'))} | {stack.get('top_user_frame') or stack.get('error') or ''} |"
+        )
+    problem = (report.get("stacks") or {}).get("problem")
+    if problem:
+        out += ["", f"Stacks: {problem}"]
+    tail = (report.get("launcher") or {}).get("stderr_tail") or []
+    if tail:
+        out += ["", "## Launcher stderr (last lines)", "", "```", *tail[-30:], "```"]
+    return "\n".join(out) + "\n"
+
+
+def _exit_text(exit_info: Any) -> str:
+    if not isinstance(exit_info, dict):
+        return ""
+    if exit_info.get("signal"):
+        return f"signal {exit_info['signal']}"
+    if exit_info.get("code") is None:
+        return "gone" if exit_info.get("unclean") or exit_info.get("t") else ""
+    return f"code {exit_info.get('code')}"

@@ -1,0 +1,200 @@
+"""Stack dumps of every rank with py-spy, taken in parallel with a timeout.
+
+py-spy attaches with ptrace. When that is not allowed, `ptrace_problem()` says exactly why
+and how to allow it; the rest of the diagnosis works without stacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+_CAP_SYS_PTRACE = 19
+#: Frames from these paths are not "where the user's code is".
+_LIBRARY_MARKERS = (
+    "site-packages",
+    "dist-packages",
+    "/sddoctor/",
+    "/lib/python3",
+    "<frozen",
+    "threading.py",
+)
+
+
+def py_spy_path() -> str | None:
+    return shutil.which("py-spy")
+
+
+def ptrace_problem() -> str | None:
+    """Why this process may not be able to ptrace its ranks (None if nothing is known to block it)."""
+    if py_spy_path() is None:
+        return "py-spy is not installed: `pip install py-spy` (stacks are skipped)"
+    if os.geteuid() == 0 and _has_cap_sys_ptrace():
+        return None
+    scope = _read("/proc/sys/kernel/yama/ptrace_scope")
+    if scope is not None and scope.strip() not in ("0", "1"):
+        return (
+            f"kernel.yama.ptrace_scope is {scope.strip()}: only root with CAP_SYS_PTRACE may attach. "
+            "Allow it with `sudo sysctl kernel.yama.ptrace_scope=1` (or 0), or run sddoctor as root."
+        )
+    if os.geteuid() == 0 and not _has_cap_sys_ptrace():
+        return (
+            "running as root without CAP_SYS_PTRACE (a container?): start the container with "
+            "`--cap-add SYS_PTRACE` (docker) or add SYS_PTRACE to securityContext.capabilities (Kubernetes)."
+        )
+    return None
+
+
+def explain_failure(stderr: str) -> str:
+    """Turn a py-spy error into a cause and a fix."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    text = (errors or lines or ["py-spy failed"])[0][:300]
+    lowered = stderr.lower()
+    if "permission denied" in lowered or "operation not permitted" in lowered or "eperm" in lowered:
+        scope = (_read("/proc/sys/kernel/yama/ptrace_scope") or "").strip()
+        fixes = [
+            "run sddoctor as root (sudo)",
+            "in a container, add the capability: `docker run --cap-add SYS_PTRACE` "
+            "(Kubernetes: securityContext.capabilities.add: [SYS_PTRACE])",
+        ]
+        if scope:
+            fixes.append(f"kernel.yama.ptrace_scope is {scope}: `sudo sysctl kernel.yama.ptrace_scope=0`")
+        else:
+            fixes.append("if Yama is enabled: `sudo sysctl kernel.yama.ptrace_scope=0`")
+        return f"ptrace not permitted ({text}); to allow it: " + "; or ".join(fixes)
+    return text
+
+
+def dump_stacks(
+    pids: dict[int, int], out_dir: Path, *, timeout: float = 10.0, native: bool = False
+) -> dict[int, dict[str, Any]]:
+    """Dump every rank's stack in parallel: rank -> {ok, top_user_frame, frames, error, file}."""
+    exe = py_spy_path()
+    if exe is None:
+        return {r: {"ok": False, "error": ptrace_problem()} for r in pids}
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def one(rank: int, pid: int) -> tuple[int, dict[str, Any]]:
+        return rank, _dump_one(exe, rank, pid, out_dir, timeout, native)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(pids)))) as pool:
+        return dict(pool.map(lambda item: one(*item), pids.items()))
+
+
+def _dump_one(exe: str, rank: int, pid: int, out_dir: Path, timeout: float, native: bool) -> dict[str, Any]:
+    cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
+    if _process_state(pid) == "T":
+        return {
+            "ok": False,
+            "pid": pid,
+            "error": "the process is stopped (SIGSTOP or a debugger); not touched",
+        }
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _resume(pid)
+        return {"ok": False, "pid": pid, "error": f"py-spy timed out after {timeout:.0f} s"}
+    except OSError as exc:
+        return {"ok": False, "pid": pid, "error": f"cannot run py-spy: {exc}"}
+    if proc.returncode != 0:
+        _resume(pid)  # py-spy can leave its target stopped when it fails mid-attach
+        error = explain_failure(proc.stderr or proc.stdout)
+        state = _process_state(pid)
+        if state == "T":
+            error += " (the process is stopped: SIGSTOP or a debugger; it was sent SIGCONT)"
+        return {"ok": False, "pid": pid, "error": error, "stderr": (proc.stderr or "")[-2000:]}
+    try:
+        threads = json.loads(proc.stdout)
+    except ValueError:
+        _resume(pid)
+        return {"ok": False, "pid": pid, "error": "py-spy printed no JSON"}
+    path = out_dir / f"rank-{rank:05d}.json"
+    path.write_text(json.dumps(threads, indent=1))
+    (out_dir / f"rank-{rank:05d}.txt").write_text(format_threads(threads))
+    main = main_thread(threads, pid)
+    frames = [
+        f"{f.get('filename')}:{f.get('line')} in {f.get('name')}" for f in (main or {}).get("frames", [])
+    ]
+    top = top_user_frame(main)
+    return {
+        "ok": True,
+        "pid": pid,
+        "file": str(path),
+        "frames": frames,
+        "top_user_frame": top[0] if top else None,
+        "top_user_function": top[1] if top else None,
+    }
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, D, T, Z...)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat or ")" not in stat:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except OSError:
+        pass
+
+
+def main_thread(threads: Any, pid: int) -> dict[str, Any] | None:
+    if not isinstance(threads, list):
+        return None
+    for thread in threads:
+        if isinstance(thread, dict) and (
+            thread.get("os_thread_id") == pid or thread.get("thread_name") == "MainThread"
+        ):
+            return thread
+    return threads[0] if threads and isinstance(threads[0], dict) else None
+
+
+def top_user_frame(thread: dict[str, Any] | None) -> tuple[str, str] | None:
+    """(file:line, function) of the innermost frame in the user's own code."""
+    if not thread:
+        return None
+    frames = [f for f in thread.get("frames", []) if isinstance(f, dict)]
+    for frame in frames:  # py-spy lists the innermost frame first
+        filename = str(frame.get("filename", ""))
+        if not any(marker in filename for marker in _LIBRARY_MARKERS):
+            return f"{filename}:{frame.get('line')}", str(frame.get("name"))
+    if frames:
+        return f"{frames[0].get('filename')}:{frames[0].get('line')}", str(frames[0].get("name"))
+    return None
+
+
+def format_threads(threads: Any) -> str:
+    lines = []
+    for thread in threads if isinstance(threads, list) else []:
+        lines.append(f"Thread {thread.get('os_thread_id')} ({thread.get('thread_name')}):")
+        for f in thread.get("frames", []):
+            lines.append(f"    {f.get('name')} ({f.get('filename')}:{f.get('line')})")
+    return "\n".join(lines) + "\n"
+
+
+def _has_cap_sys_ptrace() -> bool:
+    status = _read("/proc/self/status") or ""
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            try:
+                return bool(int(line.split()[1], 16) & (1 << _CAP_SYS_PTRACE))
+            except (IndexError, ValueError):
+                return False
+    return False
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None

@@ -1,0 +1,171 @@
+"""What the supervisor knows about a run at one instant: the input of the pure diagnosis.
+
+`RunState` is plain data. The watcher (`sddoctor.supervise.watch`) fills it from the run
+directory, the process tree and the launcher's stderr; tests build it by hand. Nothing here
+does I/O, so `diagnose(RunState)` is a pure function that table-driven tests can pin down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Verdict kinds, in the order a report lists them when several apply.
+VERDICT_KINDS = (
+    "crash",
+    "oom",
+    "hang.mismatch",
+    "hang.missing_rank",
+    "hang.dataloader",
+    "hang.comm",
+    "hang.unknown",
+    "straggler",
+    "oom.recovered",
+)
+
+
+@dataclass
+class Verdict:
+    """One finding of the diagnosis (the dict form is the contract in TEAM.md / docs/run.md)."""
+
+    kind: str
+    severity: str  # "error" | "warning" | "info"
+    summary: str
+    culprit_rank: int | None = None
+    location: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    evidence: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Verdict:
+        return cls(
+            kind=str(data.get("kind", "")),
+            severity=str(data.get("severity", "info")),
+            summary=str(data.get("summary", "")),
+            culprit_rank=data.get("culprit_rank"),
+            location=data.get("location"),
+            details=dict(data.get("details") or {}),
+            evidence=list(data.get("evidence") or []),
+        )
+
+
+@dataclass
+class Arrival:
+    """One rank's sighting of one collective: when it entered it and, if known, how long it took."""
+
+    enqueue: float
+    op: str | None = None
+    shapes: Any = None
+    caller: str | None = None
+    duration: float | None = None
+
+
+@dataclass
+class RankState:
+    """Everything known about one global rank."""
+
+    rank: int
+    state: dict[str, Any] = field(default_factory=dict)  # latest state snapshot (may be empty)
+    pid: int | None = None
+    host: str | None = None
+    #: True/False when the process is watched on this node; None when unknown (remote or untracked).
+    alive: bool | None = None
+    #: How the process ended: {code, signal, t, source}; `t` is when it was first seen gone.
+    exit: dict[str, Any] | None = None
+    exception: dict[str, Any] | None = None  # last `exception` event
+    ooms: list[dict[str, Any]] = field(default_factory=list)
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)  # injected faults that fired
+    #: py-spy result: {"ok": bool, "top_user_frame": "file:line", "frames": [...], "error": str}
+    stack: dict[str, Any] | None = None
+    #: Per process group: sightings of collectives by seq (from snapshots; sparse).
+    arrivals: dict[str, dict[int, Arrival]] = field(default_factory=dict)
+    #: Watched by another node's supervisor (`--peers`); its snapshot arrives over HTTP.
+    remote: bool = False
+    #: Traced-collective totals from snapshots: (t, count, seconds inside), cumulative.
+    totals_samples: list[tuple[float, float, float]] = field(default_factory=list)
+    #: DDP comm hook counters from snapshots: (t, buckets, seconds inside bucket all-reduces, step),
+    #: all cumulative.
+    ddp_samples: list[tuple[float, float, float, float]] = field(default_factory=list)
+
+    @property
+    def collectives(self) -> dict[str, Any]:
+        value = self.state.get("collectives")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def inflight(self) -> list[dict[str, Any]]:
+        value = self.collectives.get("inflight")
+        return [c for c in value if isinstance(c, dict)] if isinstance(value, list) else []
+
+    @property
+    def last_done(self) -> dict[str, Any] | None:
+        value = self.collectives.get("last_done")
+        return value if isinstance(value, dict) else None
+
+    def issued(self, pg: str) -> int | None:
+        """The last seq this rank issued on `pg` (from `issued`, else from inflight/last_done)."""
+        issued = self.collectives.get("issued")
+        if isinstance(issued, dict) and isinstance(issued.get(pg), int):
+            return issued[pg]
+        seqs = [c["seq"] for c in self.inflight if c.get("pg") == pg and isinstance(c.get("seq"), int)]
+        done = self.last_done
+        if done and done.get("pg") == pg and isinstance(done.get("seq"), int):
+            seqs.append(done["seq"])
+        return max(seqs) if seqs else None
+
+    @property
+    def exited(self) -> bool:
+        return self.exit is not None or self.alive is False or self.state.get("status") == "exited"
+
+
+@dataclass
+class RunState:
+    """The whole run as the supervisor sees it at `now`."""
+
+    now: float
+    started: float
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    world_size: int | None = None
+    #: Last time any rank made progress (a new step, a collective issued or completed).
+    last_progress: float | None = None
+    hang_timeout: float = 300.0
+    straggler_ratio: float = 2.0
+    #: The launcher's end: {code, t} once it has exited.
+    job_exit: dict[str, Any] | None = None
+    #: Failures the launcher reported (torchrun's "Root Cause" block): [{rank, exitcode, pid, root_cause}].
+    launcher_failures: list[dict[str, Any]] = field(default_factory=list)
+    stderr_tail: list[str] = field(default_factory=list)
+    #: Why stacks could not be taken (ptrace not permitted, py-spy missing), with the fix.
+    stacks_problem: str | None = None
+    flight_recorder: dict[str, Any] | None = None
+    #: Set when sddoctor itself ended the job ("hang", "interrupt"): deaths after `stopped_at` are
+    #: its doing, not crashes.
+    stopped_by_supervisor: str | None = None
+    stopped_at: float | None = None
+
+    @property
+    def stalled_for(self) -> float:
+        since = self.last_progress if self.last_progress is not None else self.started
+        return max(0.0, self.now - since)
+
+    @property
+    def hung(self) -> bool:
+        if self.job_exit is not None or self.stopped_by_supervisor is not None:
+            return False
+        if not any(not r.exited for r in self.ranks.values()):
+            return False
+        if not any(r.state for r in self.ranks.values()):
+            return False  # no rank has reported yet (still importing torch): progress is unmeasurable
+        if not any(
+            r.state.get("step") is not None or r.collectives.get("issued") or r.inflight
+            for r in self.ranks.values()
+        ):
+            # Nobody has issued a collective or finished a step yet: still setting up (loading a
+            # model, reading data), which has no progress to measure. A rank stuck in the first
+            # collective counts: it has issued it.
+            return False
+        return self.stalled_for >= self.hang_timeout

@@ -1,0 +1,334 @@
+"""The supervision loop of `sddoctor run`: launch, watch about once a second, act on hangs, report."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from sddoctor.supervise import flightrec, stacks
+from sddoctor.supervise.diagnose import diagnose, rank_exit
+from sddoctor.supervise.http import StateServer
+from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
+from sddoctor.supervise.report import build_report, rank_summary, write_report
+from sddoctor.supervise.state import RunState, Verdict
+from sddoctor.supervise.watch import Watcher, parse_launcher_failures
+from sddoctor.telemetry import RunDir
+
+#: Exit codes of `sddoctor run` besides the job's own (docs/run.md has the table).
+EXIT_USAGE = 2
+EXIT_HANG_KILLED = 124
+EXIT_NOT_FOUND = 127
+EXIT_INTERRUPTED = 130
+
+POLL_SECONDS = 1.0
+INTERRUPT_GRACE = 10.0
+
+
+@dataclass
+class Options:
+    command: list[str]
+    run_dir: RunDir
+    env: dict[str, str]
+    run_info: dict[str, Any]
+    hang_timeout: float = 300.0
+    on_hang: str = "dump"
+    straggler_ratio: float = 2.0
+    port: int | None = 0
+    bind: str = "127.0.0.1"
+    native: bool = False
+    quiet: bool = False
+    peers: list[str] = field(default_factory=list)
+    node_rank: int = 0
+    out: TextIO = sys.stderr
+
+
+class Supervisor:
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.started = time.time()
+        self.job = Job(command=opts.command, env=opts.env, run_dir=opts.env["SDDOCTOR_RUN_DIR"])
+        self.watcher = Watcher(
+            opts.run_dir,
+            hang_timeout=opts.hang_timeout,
+            straggler_ratio=opts.straggler_ratio,
+            started=self.started,
+        )
+        self.state: RunState = self.watcher.state()
+        self.verdicts: list[Verdict] = []
+        self.hang_verdicts: list[Verdict] = []  # frozen at the hang, survive our own kill
+        self.hang_handled_at: tuple[float | None] | None = None  # (last_progress,) of the hang acted on
+        self.stacks_problem: str | None = None
+        self.flight_recorder: dict[str, Any] | None = None
+        self.printed: set[tuple[str, Any]] = set()
+        self.signals: list[int] = []
+        self.stopped_by: str | None = None
+        self.stopped_at: float | None = None
+        self.killed_for_hang = False
+        self.server: StateServer | None = None
+        self.remote: dict[str, dict[str, Any]] = {}
+        self._published: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        if not self.opts.quiet:
+            print(f"[sddoctor] {text}", file=self.opts.out, flush=True)
+
+    # -- main -----------------------------------------------------------------------------------
+
+    def run(self) -> tuple[int, dict[str, Any]]:
+        become_subreaper()
+        if self.opts.port is not None:
+            try:
+                self.server = StateServer(self.api_state, self.opts.bind, self.opts.port).start()
+                self.opts.run_info["endpoint"] = self.server.url
+                self.opts.run_dir.write_run_info(endpoint=self.server.url)
+                self.say(f"state: {self.server.url}/api/state  metrics: {self.server.url}/metrics")
+            except OSError as exc:
+                self.say(
+                    f"cannot serve state on {self.opts.bind}:{self.opts.port}: {exc}; continuing without"
+                )
+        self.say(f"run dir: {self.opts.run_dir.path}")
+        restore = install_forwarding(self.job, self.signals.append)
+        peer_thread = None
+        try:
+            self.job.start()
+            if self.opts.peers:
+                peer_thread = threading.Thread(target=self._fetch_peers, name="sddoctor-peers", daemon=True)
+                peer_thread.start()
+            self._loop()
+        finally:
+            restore()
+            # Nothing of the job survives sddoctor, whatever happened.
+            if not self.job.wait_gone(2.0):
+                self.job.kill_tree(grace=3.0)
+            else:
+                self.job.finish()
+        code, report = self.finish()
+        if self.server is not None:
+            self.server.stop()
+        return code, report
+
+    def _loop(self) -> None:
+        next_poll = 0.0
+        while True:
+            if self.signals:
+                self._on_signal(self.signals.pop(0))
+            exited = self.job.poll() is not None
+            now = time.time()
+            if now >= next_poll or exited:
+                next_poll = now + POLL_SECONDS
+                self.tick(now)
+            if exited:
+                return
+            if self.stopped_by and now - (self.stopped_at or now) > INTERRUPT_GRACE:
+                self.say("the job did not stop in time: killing it")
+                self.job.kill_tree(grace=3.0)
+                return
+            time.sleep(0.05)
+
+    def _on_signal(self, signum: int) -> None:
+        if self.stopped_by is not None:
+            self.say(f"{signal.Signals(signum).name} again: killing the job now")
+            self.job.kill_tree(grace=1.0, first_signal=signal.SIGKILL)
+            return
+        self.stopped_by = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.stopped_at = time.time()
+        self.say(f"{signal.Signals(signum).name}: stopping the job (again to kill it at once)")
+        self.job.signal_job(signum)
+
+    # -- one watch step ---------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        self.job.refresh()
+        self.watcher.poll(now)
+        for peer_state in list(self.remote.values()):
+            self.watcher.merge_remote(peer_state.get("ranks") or {}, now)
+        launcher = self.job.popen.pid if self.job.popen else None
+        for rank in self.watcher.ranks.values():
+            known = self.job.ranks.get(rank.rank)
+            if (
+                rank.pid is not None
+                and rank.pid in self.job.descendants
+                and (known is None or known.pid != rank.pid)
+            ):
+                self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
+        if self.opts.run_info.get("launcher") == "python" and launcher and 0 not in self.job.ranks:
+            self.job.add_rank(0, launcher)
+        for rank_id, proc in self.job.ranks.items():
+            rank = self.watcher._rank(rank_id)
+            rank.pid = proc.pid
+            rank.alive = proc.exit is None
+            if proc.exit is not None:
+                rank.exit = {**(rank.exit or {}), **proc.exit}
+        state = self.watcher.state(now)
+        if state.world_size is None:
+            state.world_size = self.opts.run_info.get("world_size")
+        state.stacks_problem = self.stacks_problem
+        state.flight_recorder = self.flight_recorder
+        state.stderr_tail = list(self.job.stderr_tail)
+        state.stopped_by_supervisor = self.stopped_by
+        state.stopped_at = self.stopped_at
+        if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != state.last_progress):
+            self.hang_handled_at = (state.last_progress,)
+            self.on_hang(state)
+        verdicts = diagnose(state)
+        resumed = self.hang_handled_at is not None and state.last_progress != self.hang_handled_at[0]
+        if self.hang_verdicts and resumed and self.stopped_by is None and self.job.exit_code is None:
+            for v in self.hang_verdicts:
+                v.details["resolved"] = True  # progress resumed after the stall
+        self.state = state
+        self.verdicts = _merge(self.hang_verdicts, verdicts)
+        for v in self.verdicts:
+            key = (v.kind, v.culprit_rank)
+            if key not in self.printed and v.kind != "crash":
+                self.printed.add(key)
+                self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
+        self._publish()
+
+    def on_hang(self, state: RunState) -> None:
+        self.say(f"no progress for {state.stalled_for:.0f} s: diagnosing a hang")
+        alive = {r.rank: r.pid for r in state.ranks.values() if not r.exited and r.pid is not None}
+        alive = {r: p for r, p in alive.items() if r in self.job.ranks}  # only processes on this node
+        if self.opts.on_hang in ("dump", "kill") and alive:
+            backends = {r.state.get("backend") for r in state.ranks.values()}
+            if "nccl" in backends:
+                flightrec.trigger(self.job.env, sorted(alive))
+            self.stacks_problem = stacks.ptrace_problem()
+            results = stacks.dump_stacks(alive, self.opts.run_dir.stacks_dir, native=self.opts.native)
+            failures = {r: res.get("error") for r, res in results.items() if not res.get("ok")}
+            if failures and not self.stacks_problem:
+                self.stacks_problem = f"{len(failures)} of {len(results)} stack dumps failed: " + "; ".join(
+                    f"rank {r}: {e}" for r, e in sorted(failures.items())
+                )
+            for rank_id, result in results.items():
+                state.ranks[rank_id].stack = result
+            if "nccl" in backends:
+                self.flight_recorder = flightrec.collect(self.job.env, sorted(alive))
+            state.stacks_problem = self.stacks_problem
+            state.flight_recorder = self.flight_recorder
+            self.say(
+                f"stacks of {sum(1 for r in results.values() if r.get('ok'))}/{len(results)} ranks saved in "
+                f"{self.opts.run_dir.stacks_dir}"
+            )
+        self.hang_verdicts = [v for v in diagnose(state) if v.kind.startswith("hang.")]
+        for v in self.hang_verdicts:
+            self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
+            self.printed.add((v.kind, v.culprit_rank))
+        self._write(state, outcome="hang", exit_code=None)
+        if self.opts.on_hang == "kill":
+            self.say("--on-hang kill: stopping the job")
+            self.killed_for_hang = True
+            self.stopped_by = "hang"
+            self.stopped_at = time.time()
+            self.job.kill_tree(grace=3.0)
+
+    # -- end ------------------------------------------------------------------------------------
+
+    def finish(self) -> tuple[int, dict[str, Any]]:
+        now = time.time()
+        self.tick(now)
+        for rank_id, proc in self.job.ranks.items():
+            if proc.exit is not None:
+                self.watcher._rank(rank_id).exit = {**(self.watcher.ranks[rank_id].exit or {}), **proc.exit}
+                self.watcher.ranks[rank_id].alive = False
+        state = self.watcher.state(now)
+        state.world_size = state.world_size or self.opts.run_info.get("world_size")
+        state.stderr_tail = list(self.job.stderr_tail)
+        state.launcher_failures = parse_launcher_failures(state.stderr_tail)
+        for rank in state.ranks.values():
+            if rank.exit is not None or any(f.get("rank") == rank.rank for f in state.launcher_failures):
+                rank.exit = rank_exit(rank, state)  # the launcher's word on signals, for the report
+        state.job_exit = {"code": self.job.exit_code, "t": self.job.exit_time}
+        state.stopped_by_supervisor = self.stopped_by
+        state.stopped_at = self.stopped_at
+        state.stacks_problem = self.stacks_problem
+        state.flight_recorder = self.flight_recorder
+        self.verdicts = _merge(self.hang_verdicts, diagnose(state))
+        self.state = state
+        job_code = self.job.exit_code
+        if self.killed_for_hang:
+            code, outcome = EXIT_HANG_KILLED, "hang"
+        elif self.stopped_by == "interrupt":
+            code, outcome = EXIT_INTERRUPTED, "interrupted"
+        elif self.stopped_by is not None:
+            code, outcome = 128 + int(getattr(signal, f"SIG{self.stopped_by[3:]}", 15)), "interrupted"
+        else:
+            code = _shell_code(job_code)
+            outcome = "ok" if code == 0 else "failed"
+            if self.hang_verdicts:
+                outcome = "hang" if code != 0 else "ok"
+        report = self._write(state, outcome=outcome, exit_code=code)
+        self._publish()
+        return code, report
+
+    def _write(self, state: RunState, *, outcome: str, exit_code: int | None) -> dict[str, Any]:
+        verdicts = _merge(self.hang_verdicts, self.verdicts if exit_code is not None else [])
+        report = build_report(
+            state,
+            verdicts,
+            run_info=self.opts.run_dir.run_info() or self.opts.run_info,
+            outcome=outcome,
+            exit_code=exit_code,
+            job_exit_code=self.job.exit_code,
+        )
+        report["node"] = {"host": socket.gethostname(), "node_rank": self.opts.node_rank}
+        # With --peers the report covers every node's ranks (node 0's is the job-wide one).
+        report["scope"] = "job" if self.opts.peers else "node"
+        report["peers"] = {peer: peer in self.remote for peer in self.opts.peers}
+        write_report(self.opts.run_dir, report)
+        return report
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        state = self.state
+        snapshot = {
+            "v": 1,
+            "run": self.opts.run_dir.run_info() or self.opts.run_info,
+            "node": {"host": socket.gethostname(), "node_rank": self.opts.node_rank},
+            "ranks": {str(r): rank_summary(state.ranks[r]) for r in sorted(state.ranks)},
+            "verdicts": [v.to_dict() for v in self.verdicts],
+            "hang": {"stalled_seconds": round(state.stalled_for, 1), "timeout": state.hang_timeout},
+            "t": state.now,
+        }
+        with self._lock:
+            self._published = snapshot
+
+    def api_state(self) -> dict[str, Any]:
+        with self._lock:
+            return self._published or {"v": 1, "run": self.opts.run_info, "ranks": {}, "verdicts": []}
+
+    def _fetch_peers(self) -> None:
+        """Poll the other nodes' supervisors; their ranks join this node's diagnosis."""
+        while self.job.exit_code is None:
+            for peer in self.opts.peers:
+                url = peer if peer.startswith("http") else f"http://{peer}"
+                try:
+                    with urllib.request.urlopen(f"{url}/api/state", timeout=2.0) as resp:
+                        self.remote[peer] = json.loads(resp.read())
+                except (OSError, ValueError):
+                    continue
+            time.sleep(POLL_SECONDS)
+
+
+def _merge(first: list[Verdict], rest: list[Verdict]) -> list[Verdict]:
+    """Frozen hang verdicts first; a live verdict of the same kind and rank does not repeat them."""
+    seen = {(v.kind, v.culprit_rank) for v in first}
+    return list(first) + [
+        v for v in rest if (v.kind, v.culprit_rank) not in seen and not (first and v.kind.startswith("hang."))
+    ]
+
+
+def _shell_code(code: int | None) -> int:
+    if code is None:
+        return 1
+    return 128 - code if code < 0 else code

@@ -1,0 +1,45 @@
+"""A plain DDP-style user script (no sddoctor API): compute, then one all_reduce per step.
+
+Environment: STEPS (default 20), PAUSE seconds of "compute" per step (default 0.05),
+SIZE elements per all_reduce (default 8), DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall).
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, stall: bool) -> None:
+        self.stall = stall
+
+    def __len__(self) -> int:
+        return 10**6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.stall and index >= 4:
+            time.sleep(3600)  # a stuck read: network file system, a corrupt file, a deadlock
+        return torch.ones(int(os.environ.get("SIZE", "8")))
+
+
+steps = int(os.environ.get("STEPS", "20"))
+pause = float(os.environ.get("PAUSE", "0.05"))
+stall_rank = os.environ.get("DATA_STALL_RANK")
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+batches = None
+if stall_rank is not None:
+    loader = torch.utils.data.DataLoader(Items(str(rank) == stall_rank), batch_size=None, num_workers=1)
+    batches = iter(loader)
+x = torch.ones(int(os.environ.get("SIZE", "8")))
+for _ in range(steps):
+    time.sleep(pause)
+    if batches is not None:
+        x = next(batches)  # DATA
+    y = x * (rank + 1)
+    dist.all_reduce(y)  # COLLECTIVE
+dist.barrier()
+dist.destroy_process_group()
+print(f"rank {rank} done", flush=True)

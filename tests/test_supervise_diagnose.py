@@ -1,0 +1,481 @@
+"""Table-driven tests of the pure diagnosis on hand-built RunStates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sddoctor.supervise.diagnose import diagnose, last_traceback
+from sddoctor.supervise.state import Arrival, RankState, RunState
+from sddoctor.supervise.watch import parse_launcher_failures
+
+NOW = 1000.0
+
+
+def call(
+    seq: int, op: str = "all_reduce", shapes: Any = None, caller: str = "train.py:20", since: float = 990.0
+):
+    return {"pg": "0", "seq": seq, "op": op, "shapes": shapes or [[4]], "caller": caller, "since": since}
+
+
+def rank(
+    r: int, *, inflight=None, issued=None, done=None, phase=None, step=None, heartbeat=NOW - 0.5, **kw
+) -> RankState:
+    colls: dict[str, Any] = {"inflight": inflight or []}
+    if issued is not None:
+        colls["issued"] = {"0": issued}
+    if done is not None:
+        colls["last_done"] = done
+    state = {"rank": r, "t": NOW - 0.5, "heartbeat": heartbeat, "collectives": colls}
+    if phase:
+        state["phase"] = phase
+    if step is not None:
+        state["step"] = step
+    return RankState(rank=r, state=state, pid=100 + r, alive=kw.pop("alive", True), **kw)
+
+
+def hung(*ranks: RankState, world_size: int | None = None, **kw) -> RunState:
+    return RunState(
+        now=NOW,
+        started=900.0,
+        ranks={r.rank: r for r in ranks},
+        world_size=world_size or len(ranks),
+        last_progress=NOW - 10,
+        hang_timeout=5.0,
+        **kw,
+    )
+
+
+def stack(frame: str, *extra: str) -> dict[str, Any]:
+    return {"ok": True, "top_user_frame": frame, "top_user_function": "loop", "frames": [*extra, frame]}
+
+
+# -- hangs ------------------------------------------------------------------------------------
+
+HANG_CASES = [
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)], issued=7),
+            rank(1, issued=6, done=call(6), stack=stack("train.py:33")),
+        ),
+        "hang.missing_rank",
+        1,
+        "train.py:33",
+        id="missing-rank-with-stack",
+    ),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)], issued=7), rank(1, issued=6, done=dict(call(6), caller="train.py:21"))
+        ),
+        "hang.missing_rank",
+        1,
+        "train.py:21",
+        id="missing-rank-located-by-last-collective",
+    ),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(1, inflight=[call(7)]),
+            rank(2, alive=False, exit={"code": 0, "t": 995.0}),
+        ),
+        "hang.missing_rank",
+        2,
+        None,
+        id="rank-exited-early",
+    ),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(1, inflight=[call(7)]),
+            rank(2, inflight=[call(7, shapes=[[5]])]),
+        ),
+        "hang.mismatch",
+        2,
+        "train.py:20",
+        id="shape-mismatch-minority",
+    ),
+    pytest.param(
+        hung(rank(0, inflight=[call(7)]), rank(1, inflight=[call(7, op="broadcast", caller="eval.py:9")])),
+        "hang.mismatch",
+        None,
+        None,
+        id="op-mismatch-two-ranks-no-evidence",
+    ),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(
+                1,
+                inflight=[call(7, shapes=[[5]])],
+                faults=[{"fault": "shape:rank=1,seq=7", "caller": "t.py:3"}],
+            ),
+        ),
+        "hang.mismatch",
+        1,
+        "train.py:20",
+        id="shape-mismatch-two-ranks-fault-evidence",
+    ),
+    pytest.param(
+        hung(rank(0, inflight=[call(7)]), rank(1, inflight=[call(7)])),
+        "hang.comm",
+        None,
+        "train.py:20",
+        id="all-wait-same-collective",
+    ),
+    pytest.param(
+        hung(rank(0, inflight=[call(7)]), rank(1, phase="data", issued=6)),
+        "hang.dataloader",
+        1,
+        None,
+        id="dataloader-phase",
+    ),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(
+                1,
+                issued=6,
+                stack=stack("train.py:50", "/x/site-packages/torch/utils/data/dataloader.py:1 in next"),
+            ),
+        ),
+        "hang.dataloader",
+        1,
+        "train.py:50",
+        id="dataloader-stack",
+    ),
+    pytest.param(
+        hung(rank(0, issued=5), rank(1, issued=5)), "hang.unknown", None, None, id="nobody-in-a-collective"
+    ),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(1, inflight=[call(7)], heartbeat=NOW - 30),
+            rank(2, inflight=[call(7)]),
+        ),
+        "hang.comm",
+        1,
+        "train.py:20",
+        id="frozen-rank-inside-the-collective",
+    ),
+]
+
+
+@pytest.mark.parametrize(("state", "kind", "culprit", "location"), HANG_CASES)
+def test_hang_classification(state: RunState, kind: str, culprit: int | None, location: str | None) -> None:
+    verdicts = diagnose(state)
+    hangs = [v for v in verdicts if v.kind.startswith("hang.")]
+    assert [v.kind for v in hangs] == [kind], [v.summary for v in verdicts]
+    assert hangs[0].culprit_rank == culprit
+    if location is not None:
+        assert hangs[0].location == location
+    assert hangs[0].severity == "error"
+    assert hangs[0].evidence
+
+
+def test_no_hang_before_timeout() -> None:
+    state = hung(rank(0, inflight=[call(7)]), rank(1, issued=6))
+    state.last_progress = NOW - 4.0  # timeout is 5 s
+    assert not [v for v in diagnose(state) if v.kind.startswith("hang")]
+
+
+def test_no_hang_while_every_rank_is_still_setting_up() -> None:
+    state = hung(rank(0), rank(1))  # snapshots, but no collective issued and no step yet
+    assert diagnose(state) == []
+
+
+def test_no_hang_after_the_job_ended() -> None:
+    state = hung(rank(0, inflight=[call(7)]), rank(1, issued=6))
+    state.job_exit = {"code": 0, "t": NOW}
+    assert not [v for v in diagnose(state) if v.kind.startswith("hang")]
+
+
+def test_mismatch_summary_names_both_shapes() -> None:
+    state = hung(rank(0, inflight=[call(3, shapes=[[8]])]), rank(1, inflight=[call(3, shapes=[[9]])]))
+    (v,) = [v for v in diagnose(state) if v.kind == "hang.mismatch"]
+    assert "[[8]]" in v.summary and "[[9]]" in v.summary and "rank 0" in v.summary and "rank 1" in v.summary
+
+
+def test_comm_hang_points_to_check_nccl() -> None:
+    (v,) = diagnose(hung(rank(0, inflight=[call(7)]), rank(1, inflight=[call(7)])))
+    assert "sddoctor check-nccl" in v.summary
+
+
+# -- crashes ----------------------------------------------------------------------------------
+
+CRASH_CASES = [
+    pytest.param(
+        [
+            rank(0, alive=False, exit={"t": 10.3, "signal": 15}),
+            rank(1, alive=False, exit={"t": 10.0, "signal": 9}),
+            rank(2, alive=False, exit={"t": 10.3, "signal": 15}),
+        ],
+        [],
+        1,
+        "SIGKILL",
+        id="sigkill-first-others-terminated",
+    ),
+    pytest.param(
+        [
+            rank(
+                0,
+                alive=False,
+                exit={"t": 10.1, "code": 1},
+                exception={"t": 10.05, "type": "RuntimeError", "message": "Connection reset by peer"},
+            ),
+            rank(1, alive=False, exit={"t": 10.0}),
+        ],
+        [{"rank": 1, "exitcode": -9, "pid": 5, "root_cause": False}],
+        1,
+        "SIGKILL",
+        id="victim-saw-connection-reset",
+    ),
+    pytest.param(
+        [
+            rank(
+                0,
+                alive=False,
+                exit={"t": 10.0, "code": 1},
+                exception={
+                    "t": 9.9,
+                    "type": "InjectedFault",
+                    "message": "boom",
+                    "traceback": [
+                        "/u/train.py:40 in <module>",
+                        "/u/train.py:12 in step",
+                        "/x/sddoctor/api.py:3 in f",
+                    ],
+                },
+            ),
+            rank(1, alive=False, exit={"t": 10.4, "signal": 15}),
+        ],
+        [],
+        0,
+        "boom",
+        id="exception-with-traceback",
+    ),
+    pytest.param(
+        [
+            rank(0, alive=False, exit={"t": 10.0, "code": 0}),
+            rank(1, alive=False, exit={"t": 10.0, "code": 0}),
+        ],
+        [],
+        None,
+        None,
+        id="healthy-exit",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ranks", "failures", "culprit", "text"), CRASH_CASES)
+def test_crash_blames_the_first_death(ranks, failures, culprit, text) -> None:
+    state = RunState(
+        now=20.0,
+        started=0.0,
+        ranks={r.rank: r for r in ranks},
+        world_size=len(ranks),
+        last_progress=9.0,
+        job_exit={"code": 1 if culprit is not None else 0, "t": 11.0},
+        launcher_failures=failures,
+    )
+    crashes = [v for v in diagnose(state) if v.kind == "crash"]
+    if culprit is None:
+        assert crashes == []
+        return
+    assert len(crashes) == 1
+    assert crashes[0].culprit_rank == culprit
+    assert text in crashes[0].summary
+    others = [r.rank for r in ranks if r.rank != culprit]
+    assert crashes[0].details["consequences"] == others
+
+
+def test_crash_location_is_the_innermost_user_frame() -> None:
+    ranks = CRASH_CASES[2].values[0]
+    state = RunState(now=20.0, started=0.0, ranks={r.rank: r for r in ranks}, job_exit={"code": 1, "t": 11})
+    (v,) = [v for v in diagnose(state) if v.kind == "crash"]
+    assert v.location == "/u/train.py:12"
+
+
+def test_deaths_after_sddoctor_stopped_the_job_are_not_crashes() -> None:
+    r0 = rank(0, alive=False, exit={"t": 12.0, "signal": 15})
+    r1 = rank(1, alive=False, exit={"t": 12.1, "signal": 9})
+    state = RunState(
+        now=20.0,
+        started=0.0,
+        ranks={0: r0, 1: r1},
+        job_exit={"code": -15, "t": 13},
+        stopped_by_supervisor="hang",
+        stopped_at=11.9,
+    )
+    assert [v for v in diagnose(state) if v.kind == "crash"] == []
+
+
+def test_gloo_size_mismatch_abort_is_a_mismatch_not_a_crash() -> None:
+    r0 = rank(0, alive=False, exit={"t": 10.0, "signal": 6})
+    r1 = rank(
+        1,
+        alive=False,
+        exit={"t": 10.2, "code": 1},
+        faults=[{"fault": "shape:rank=1,seq=4", "seq": 4, "caller": "/u/t.py:9", "shape": [9]}],
+    )
+    state = RunState(
+        now=20.0,
+        started=0.0,
+        ranks={0: r0, 1: r1},
+        job_exit={"code": 1, "t": 11},
+        stderr_tail=["what():  [enforce fail] 9 vs 8. Received data size doesn't match expected size."],
+    )
+    verdicts = diagnose(state)
+    assert [v.kind for v in verdicts] == ["hang.mismatch"]
+    assert verdicts[0].culprit_rank == 1 and verdicts[0].location == "/u/t.py:9"
+
+
+# -- OOM --------------------------------------------------------------------------------------
+
+
+def test_oom_recovered_by_fallback() -> None:
+    oom = {
+        "t": 5.0,
+        "step": 3,
+        "phase": "backward",
+        "mem_alloc": 2**30,
+        "mem_reserved": 2**31,
+        "mem_total": 2**34,
+    }
+    fb = {
+        "t": 5.2,
+        "step": 3,
+        "old_micro_batch": 8,
+        "new_micro_batch": 4,
+        "old_grad_accum": 1,
+        "new_grad_accum": 2,
+    }
+    state = RunState(now=20.0, started=0.0, ranks={1: rank(1, ooms=[oom], fallbacks=[fb]), 0: rank(0)})
+    (v,) = diagnose(state)
+    assert v.kind == "oom.recovered" and v.culprit_rank == 1 and v.severity == "info"
+    assert "backward" in v.summary and "8 -> 4" in v.summary
+
+
+def test_fatal_oom_replaces_the_crash_of_that_rank() -> None:
+    oom = {"t": 5.0, "step": 3, "phase": "forward", "mem_alloc": 2**30}
+    r1 = rank(1, ooms=[oom], alive=False, exit={"t": 5.1, "code": 1})
+    state = RunState(now=20.0, started=0.0, ranks={1: r1, 0: rank(0)}, job_exit={"code": 1, "t": 6})
+    assert [(v.kind, v.culprit_rank) for v in diagnose(state)] == [("oom", 1)]
+
+
+# -- stragglers -------------------------------------------------------------------------------
+
+
+def timed(r: int, compute: float, inside: float, n: int = 12) -> RankState:
+    """A rank whose collectives arrive every compute+inside seconds and take `inside` seconds."""
+    period = compute + inside
+    arrivals = {seq: Arrival(enqueue=NOW - 30 + seq * period + compute, duration=inside) for seq in range(n)}
+    return RankState(rank=r, state={"t": NOW}, alive=True, arrivals={"0": arrivals})
+
+
+@pytest.mark.parametrize(
+    ("ranks", "culprit"),
+    [
+        pytest.param(
+            [timed(0, 0.01, 0.50), timed(1, 0.50, 0.01), timed(2, 0.01, 0.50)], 1, id="sleepy-rank-1"
+        ),
+        pytest.param([timed(0, 0.30, 0.01), timed(1, 0.30, 0.01)], None, id="balanced"),
+        pytest.param(
+            [timed(0, 0.002, 0.001), timed(1, 0.006, 0.001)], None, id="tiny-noise-is-not-a-straggler"
+        ),
+        pytest.param([timed(0, 0.2, 0.15), timed(1, 0.35, 0.01)], None, id="below-ratio"),
+    ],
+)
+def test_straggler(ranks: list[RankState], culprit: int | None) -> None:
+    state = RunState(
+        now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW, straggler_ratio=2.0
+    )
+    found = [v for v in diagnose(state) if v.kind == "straggler"]
+    if culprit is None:
+        assert found == []
+    else:
+        assert [v.culprit_rank for v in found] == [culprit]
+        assert found[0].details["ratio"] >= 2.0
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+TORCHRUN_TAIL = """\
+Failures:
+[1]:
+  time      : 2026-12-02_10:08:18
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 7695)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 7695
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_10:08:18
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 7694)  (SIGABRT)
+  error_file: <N/A>
+""".splitlines()
+
+
+def test_parse_torchrun_failures() -> None:
+    failures = parse_launcher_failures(TORCHRUN_TAIL)
+    assert failures == [
+        {"rank": 0, "local_rank": 0, "exitcode": -6, "pid": 7694, "root_cause": True},
+        {"rank": 1, "local_rank": 1, "exitcode": -15, "pid": 7695, "root_cause": False},
+    ]
+
+
+def test_last_traceback_from_stderr() -> None:
+    lines = [
+        "noise",
+        "Traceback (most recent call last):",
+        '  File "/u/a.py", line 3, in <module>',
+        "    main()",
+        '  File "/u/a.py", line 2, in main',
+        "    1/0",
+        "ZeroDivisionError: division by zero",
+    ]
+    assert last_traceback(lines) == [
+        "/u/a.py:3 in <module>",
+        "/u/a.py:2 in main",
+        "ZeroDivisionError: division by zero",
+    ]
+
+
+def test_fresh_oom_waits_for_the_fallback_while_the_rank_lives() -> None:
+    oom = {"t": 15.0, "step": 3, "phase": "backward"}
+    state = RunState(now=20.0, started=0.0, ranks={1: rank(1, ooms=[oom]), 0: rank(0)})
+    assert diagnose(state) == []
+    state.now = 30.0  # no fallback 15 s later: the step did not recover
+    assert [(v.kind, v.culprit_rank) for v in diagnose(state)] == [("oom", 1)]
+
+
+def ddp_rank(r: int, wait_per_step: float, period: float = 0.5, n: int = 10) -> RankState:
+    """A DDP rank with only comm-hook counters: one step per `period`, `wait_per_step` inside buckets."""
+    samples = [(NOW - 20 + i * period, 4.0 * i, wait_per_step * i, float(i)) for i in range(n)]
+    return RankState(rank=r, state={"t": NOW}, alive=True, ddp_samples=samples)
+
+
+def test_ddp_straggler_from_comm_hook_counters() -> None:
+    ranks = [ddp_rank(0, 0.40), ddp_rank(1, 0.02), ddp_rank(2, 0.41)]
+    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW)
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert v.culprit_rank == 1
+    balanced = [ddp_rank(0, 0.02), ddp_rank(1, 0.03)]
+    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in balanced}, last_progress=NOW)
+    assert [v for v in diagnose(state) if v.kind == "straggler"] == []
+
+
+def totals_rank(r: int, inside: float, period: float = 0.3, n: int = 8) -> RankState:
+    samples = [(NOW - 10 + i, i / period, i / period * inside) for i in range(n)]  # one sample a second
+    return RankState(rank=r, state={"t": NOW}, alive=True, totals_samples=samples)
+
+
+def test_straggler_from_tracer_totals() -> None:
+    ranks = [totals_rank(0, 0.25), totals_rank(1, 0.01)]
+    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW)
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert v.culprit_rank == 1 and v.details["timings"]["0"]["inside"] == pytest.approx(0.25)

@@ -1,0 +1,61 @@
+"""Two `sddoctor run` processes as two nodes on 127.0.0.1, each with one rank, joined by --peers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+from supervise_fixtures import SCRIPT, script_line
+
+from conftest import free_port, subprocess_env
+
+
+def test_two_nodes_share_state_and_name_the_remote_culprit(tmp_path):
+    ports = [free_port(), free_port()]
+    master = free_port()
+    procs = []
+    seen: dict[int, psutil.Process] = {}
+    env = subprocess_env(STEPS="50", SDDOCTOR_FAULT="skip:rank=1,seq=5")
+    for node in (1, 0):
+        cmd = [
+            sys.executable, "-m", "sddoctor", "run", "--quiet", "--hang-timeout", "4", "--on-hang", "kill",
+            "--port", str(ports[node]), "--peers", f"127.0.0.1:{ports[1 - node]}",
+            "--run-dir", str(tmp_path / f"node{node}"), "--",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master), str(SCRIPT),
+        ]  # fmt: skip
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=tmp_path), log))
+    deadline = time.monotonic() + 90
+    try:
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            for p, _ in procs:
+                try:
+                    for child in psutil.Process(p.pid).children(recursive=True):
+                        seen.setdefault(child.pid, child)
+                except psutil.Error:
+                    pass
+            time.sleep(0.1)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            log.close()
+        left = [c for c in seen.values() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        for c in left:
+            c.kill()
+    assert not left, "processes outlived sddoctor run"
+    assert [p.returncode for p, _ in procs] == [124, 124], (tmp_path / "node0.log").read_text()
+    report = json.loads((tmp_path / "node0" / "report.json").read_text())
+    assert report["scope"] == "job" and set(report["ranks"]) == {"0", "1"}
+    assert report["ranks"]["1"].get("remote") is True
+    (v,) = report["verdicts"]
+    assert (v["kind"], v["culprit_rank"], v["location"]) == (
+        "hang.missing_rank",
+        1,
+        script_line("# COLLECTIVE"),
+    )

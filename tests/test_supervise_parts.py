@@ -1,0 +1,188 @@
+"""The supervisor's parts on real files, processes and sockets: watcher, HTTP, py-spy, process tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from sddoctor.supervise import stacks
+from sddoctor.supervise.http import StateServer, prometheus_text
+from sddoctor.supervise.launch import launcher_kind, node_rank_hint, world_size_hint
+from sddoctor.supervise.procs import Job
+from sddoctor.supervise.watch import Watcher
+from sddoctor.telemetry import RunDir, TelemetryWriter
+
+
+def _writer(run_dir: RunDir, rank: int) -> TelemetryWriter:
+    return TelemetryWriter(run_dir, rank, start_thread=False)
+
+
+def test_watcher_sightings_progress_and_exit(tmp_path):
+    rd = RunDir(tmp_path).ensure()
+    w0 = _writer(rd, 0)
+    watcher = Watcher(rd, hang_timeout=5, straggler_ratio=2, started=100.0)
+    done = {
+        "pg": "0",
+        "seq": 3,
+        "op": "all_reduce",
+        "shapes": [[4]],
+        "caller": "a.py:1",
+        "t": 110.0,
+        "duration": 0.5,
+    }
+    w0.update_state(collectives={"inflight": [], "issued": {"0": 3}, "last_done": done})
+    w0.flush()
+    watcher.poll(now=111.0)
+    assert watcher.last_progress == 111.0
+    arrival = watcher.ranks[0].arrivals["0"][3]
+    assert (arrival.enqueue, arrival.duration, arrival.caller) == (109.5, 0.5, "a.py:1")
+    # The same progress state again is no progress, however often the snapshot is rewritten.
+    w0.flush()
+    watcher.poll(now=115.0)
+    assert watcher.last_progress == 111.0
+    inflight = {"pg": "0", "seq": 4, "op": "all_reduce", "shapes": [[4]], "caller": "a.py:1", "since": 116.0}
+    w0.update_state(collectives={"inflight": [inflight], "issued": {"0": 4}, "last_done": done})
+    w0.emit("exit", status="signal", code=128 + 15)
+    w0.flush()
+    watcher.poll(now=117.0)
+    assert watcher.last_progress == 117.0
+    assert watcher.ranks[0].exit["signal"] == 15
+    assert watcher.state(now=130.0).stalled_for == 13.0
+
+
+def test_prometheus_text_and_http_endpoint():
+    state = {
+        "v": 1,
+        "node": {"host": "h"},
+        "ranks": {
+            "0": {
+                "step": 7,
+                "last_step": {"loss": 0.5},
+                "alive": True,
+                "collectives": {"last_done": {"seq": 9, "pg": "0"}},
+            },
+            "1": {"collectives": {"inflight": [{"since": 90.0}]}, "alive": True},
+        },
+        "verdicts": [{"kind": "hang.missing_rank"}],
+    }
+    text = prometheus_text(state, now=100.0)
+    assert 'sddoctor_rank_step{rank="0",host="h"} 7' in text
+    assert 'sddoctor_rank_loss{rank="0",host="h"} 0.5' in text
+    assert 'sddoctor_rank_last_collective_seq{rank="0",host="h",pg="0"} 9' in text
+    assert 'sddoctor_rank_collective_inflight_seconds{rank="1",host="h"} 10.000' in text
+    assert "sddoctor_hang 1" in text
+    server = StateServer(lambda: state, "127.0.0.1", 0).start()
+    try:
+        with urllib.request.urlopen(server.url + "/api/state", timeout=5) as resp:
+            assert json.loads(resp.read())["ranks"]["0"]["step"] == 7
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            assert b"sddoctor_hang 1" in resp.read()
+    finally:
+        server.stop()
+
+
+def test_py_spy_dump_finds_the_user_frame(tmp_path):
+    if stacks.py_spy_path() is None or stacks.ptrace_problem():
+        pytest.skip(f"py-spy cannot attach here: {stacks.ptrace_problem()}")
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\n\ndef wait():\n    time.sleep(60)\n\nwait()\n")
+    proc = subprocess.Popen([sys.executable, str(script)])
+    try:
+        time.sleep(1.0)
+        result = stacks.dump_stacks({3: proc.pid}, tmp_path / "stacks", timeout=20)[3]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert result["ok"], result
+    assert result["top_user_frame"] == f"{script}:4"
+    assert (tmp_path / "stacks" / "rank-00003.json").exists()
+
+
+def test_py_spy_failure_is_explained_and_the_target_resumed(tmp_path):
+    text = stacks.explain_failure("Error: Permission denied (os error 13)")
+    assert "ptrace not permitted" in text and "SYS_PTRACE" in text and "ptrace_scope" in text
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        stacks._resume(proc.pid)
+        time.sleep(0.2)
+        assert psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_kill_tree_reaches_stubborn_and_escaped_descendants(tmp_path):
+    # The launcher starts a child that ignores SIGTERM and leaves the process group.
+    child = (
+        "import os, signal, time; os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print(os.getpid(), flush=True); time.sleep(60)"
+    )
+    launcher = (
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    )
+    job = Job(command=[sys.executable, "-c", launcher], env=dict(os.environ), run_dir=str(tmp_path))
+    job.start(stderr_sink=open(os.devnull, "w"))  # noqa: SIM115
+    deadline = time.monotonic() + 20
+    while len(job.descendants) < 2 and time.monotonic() < deadline:
+        job.refresh()
+        time.sleep(0.1)
+    procs = list(job.descendants.values())
+    assert len(procs) >= 2
+    escaped = [p for p in procs if p.pid != job.pid]
+    while time.monotonic() < deadline and os.getsid(escaped[0].pid) != escaped[0].pid:
+        time.sleep(0.05)
+    time.sleep(0.5)  # let it install its SIGTERM handler
+    start = time.monotonic()
+    job.kill_tree(grace=1.0)
+    assert 1.0 <= time.monotonic() - start < 10  # it waited out the grace period, then SIGKILL
+    assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert job.exit_code is not None
+
+
+@pytest.mark.parametrize(
+    ("command", "kind", "world", "node"),
+    [
+        (["torchrun", "--nproc-per-node", "4", "train.py", "--nnodes", "9"], "torchrun", 4, 0),
+        (
+            ["torchrun", "--nnodes=2", "--node-rank=1", "--nproc_per_node=8", "-m", "trainer"],
+            "torchrun",
+            16,
+            1,
+        ),
+        (["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "t.py"], "torchrun", 2, 0),
+        (["accelerate", "launch", "--num_processes", "3", "t.py"], "accelerate", 3, 0),
+        (["python", "t.py"], "python", 1, 0),
+        (["bash", "launch.sh"], "other", None, 0),
+    ],
+)
+def test_launcher_hints(command, kind, world, node):
+    assert launcher_kind(command) == kind
+    assert world_size_hint(command) == world
+    assert node_rank_hint(command) == node
+
+
+@pytest.mark.parametrize(
+    "argv", [["run", "--help"], ["report", "--help"], ["report", "/nonexistent-run-dir"]]
+)
+def test_run_and_report_do_not_import_torch(argv):
+    code = (
+        "import sys; from sddoctor.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    from conftest import subprocess_env
+
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert out.returncode in (0, 2), out.stderr
+    assert "torch imported" not in out.stderr and "Traceback" not in out.stderr

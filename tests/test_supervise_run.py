@@ -1,0 +1,240 @@
+"""`sddoctor run` end to end: real gloo jobs on CPU with injected faults, checked verdict by verdict.
+
+Every run goes through `run_supervised`, which fails the test if any process outlives sddoctor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from supervise_fixtures import SCRIPT, run_supervised, script_line, torchrun
+
+from conftest import subprocess_env
+
+COLLECTIVE = script_line("# COLLECTIVE")
+
+
+def test_healthy_run_has_no_verdict(tmp_path):
+    res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), env={"STEPS": "15"})
+    assert res.returncode == 0, res.stderr
+    assert res.report["verdicts"] == []
+    assert res.report["outcome"] == "ok"
+    assert set(res.report["ranks"]) == {"0", "1"}
+    assert "no problem found" in res.stderr
+
+
+def test_skipped_collective_is_a_missing_rank_hang(tmp_path):
+    res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), fault="skip:rank=1,seq=5", env={"STEPS": "50"})
+    assert res.returncode == 124, res.stderr
+    (v,) = res.verdicts("hang.")
+    assert v["kind"] == "hang.missing_rank"
+    assert v["culprit_rank"] == 1
+    assert v["location"] == COLLECTIVE
+    assert v["details"]["seq"] == 5 and v["details"]["waiting_ranks"] == [0]
+    assert (res.run_dir / "stacks" / "rank-00001.json").exists()
+    assert res.verdicts("crash") == []  # the ranks sddoctor killed are not crashes
+    assert f"rank 1, {COLLECTIVE}" in res.stderr
+
+
+def test_stalled_data_loader(tmp_path):
+    res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), env={"STEPS": "50", "DATA_STALL_RANK": "1"})
+    assert res.returncode == 124, res.stderr
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.dataloader", 1)
+    assert v["location"] == script_line("# DATA")
+
+
+def test_shape_change_is_a_mismatch(tmp_path):
+    res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), fault="shape:rank=1,seq=4", env={"STEPS": "50"})
+    assert res.returncode != 0
+    (v,) = res.verdicts("hang.")
+    assert v["kind"] == "hang.mismatch"
+    assert v["culprit_rank"] == 1
+    assert v["location"] == COLLECTIVE
+    assert res.verdicts("crash") == []  # gloo's abort on rank 0 is a consequence
+
+
+def test_sigkill_names_the_rank_that_died_first(tmp_path):
+    res = run_supervised(tmp_path, torchrun(3, str(SCRIPT)), fault="kill:rank=1,seq=6", env={"STEPS": "50"})
+    assert res.returncode != 0
+    (v,) = res.verdicts("crash")
+    assert v["culprit_rank"] == 1
+    assert v["details"]["exit"]["signal"] == 9
+    assert "SIGKILL" in v["summary"]
+    assert sorted(v["details"]["consequences"]) == [0, 2]
+    assert v["location"] == COLLECTIVE
+    # `sddoctor report` on a run dir without report.json diagnoses it from the files alone.
+    (res.run_dir / "report.json").unlink()
+    out = subprocess.run(
+        [sys.executable, "-m", "sddoctor", "report", "--json", str(res.run_dir)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    assert report["diagnosed_offline"] is True
+    assert [v["culprit_rank"] for v in report["verdicts"] if v["kind"] == "crash"] == [1]
+
+
+def test_exception_is_a_crash_with_traceback(tmp_path):
+    res = run_supervised(
+        tmp_path, torchrun(2, str(SCRIPT)), fault="raise:rank=0,seq=3,message=boom", env={"STEPS": "50"}
+    )
+    assert res.returncode != 0
+    (v,) = res.verdicts("crash")
+    assert v["culprit_rank"] == 0
+    assert "boom" in v["summary"]
+    assert v["location"] == COLLECTIVE
+    assert any(COLLECTIVE in frame for frame in v["details"]["traceback"])
+
+
+def test_sleeping_rank_is_a_straggler(tmp_path):
+    res = run_supervised(
+        tmp_path,
+        torchrun(2, str(SCRIPT)),
+        fault="sleep:rank=1,seconds=0.25,seq=1,every=1",
+        env={"STEPS": "28", "PAUSE": "0.01"},
+        options=("--hang-timeout", "30"),
+    )
+    assert res.returncode == 0, res.stderr
+    (v,) = res.verdicts("straggler")
+    assert v["culprit_rank"] == 1
+    assert v["details"]["ratio"] >= 2.0
+    assert v["location"] == COLLECTIVE
+    assert [x for x in res.report["verdicts"] if x["kind"] != "straggler"] == []
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is not installed")
+def test_accelerate_launch(tmp_path):
+    job = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    job += ["--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT)]  # gloo on CPU
+    res = run_supervised(tmp_path, job, fault="skip:rank=0,seq=3", env={"STEPS": "50"})
+    assert res.returncode == 124, res.stderr
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"], v["location"]) == ("hang.missing_rank", 0, COLLECTIVE)
+    assert res.report["run"]["launcher"] == "accelerate"
+
+
+def test_ctrl_c_stops_the_whole_job(tmp_path):
+    res = run_supervised(
+        tmp_path,
+        torchrun(2, str(SCRIPT)),
+        env={"STEPS": "100000", "PAUSE": "0.05"},
+        options=("--hang-timeout", "60"),
+        interrupt_when_ranks=2,
+        timeout=60,
+    )
+    assert res.returncode == 130
+    assert res.report["outcome"] == "interrupted"
+    assert res.verdicts("crash") == []
+    assert len(res.seen_pids) >= 3  # the launcher and two ranks were really running
+
+
+def test_sigterm_stops_the_job_with_143(tmp_path):
+    ready = tmp_path / "ready"
+    script = tmp_path / "long.py"
+    script.write_text(f"import pathlib, time\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)\n")
+    res = run_supervised(
+        tmp_path,
+        [sys.executable, str(script)],
+        options=(),
+        interrupt_when_file=ready,
+        stop_signal=signal.SIGTERM,
+    )
+    assert res.returncode == 143
+    assert res.report["outcome"] == "interrupted" and res.verdicts("crash") == []
+
+
+def test_orphans_of_a_dead_launcher_are_killed(tmp_path):
+    # The launcher starts a worker in a session of its own, then dies of SIGKILL: the worker is
+    # re-parented to sddoctor (child subreaper) and must still be stopped.
+    worker = "import os, time; os.setsid(); time.sleep(120)"
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}])\n"
+        "time.sleep(1.5)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    res = run_supervised(tmp_path, [sys.executable, str(launcher)], options=())
+    assert res.returncode == 128 + 9
+    assert len(res.seen_pids) >= 2  # the worker was seen, and (checked by the helper) is gone
+    (v,) = res.verdicts("crash")
+    assert "SIGKILL" in v["summary"]
+
+
+def test_plain_python_script_crash_and_json(tmp_path):
+    script = tmp_path / "one.py"
+    script.write_text("import sys\nprint('working')\nraise SystemExit(3)\n")
+    res = run_supervised(tmp_path, [sys.executable, str(script)], options=("--json", "--quiet"))
+    assert res.returncode == 3
+    report = json.loads(res.stdout[res.stdout.index("{") :])
+    assert report["exit_code"] == 3 and report["world_size"] == 1
+    (v,) = report["verdicts"]
+    assert (v["kind"], v["culprit_rank"]) == ("crash", 0)
+
+
+def test_malformed_fault_is_a_usage_error(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "sddoctor", "run", "--", sys.executable, "-c", "pass"],
+        env=subprocess_env(SDDOCTOR_FAULT="skip:rank=1"),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2
+    assert "lacks seq" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "sddoctor-runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        ([], 2, "no command to run"),
+        (["--hang-timeout", "0", "--", "true"], 2, "must be greater than 0"),
+        (["--", "no-such-launcher-xyz"], 127, "command not found"),
+    ],
+)
+def test_usage_errors(tmp_path, args, code, message):
+    out = subprocess.run(
+        [sys.executable, "-m", "sddoctor", "run", *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode == code
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_state_endpoint_and_report_command(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import json, os, sys, time, urllib.request\n"
+        "url = json.load(open(os.path.join(os.environ['SDDOCTOR_RUN_DIR'], 'run.json')))['endpoint']\n"
+        "for _ in range(50):\n"
+        "    time.sleep(0.2)\n"
+        "    state = json.load(urllib.request.urlopen(url + '/api/state'))\n"
+        "    if state.get('ranks') is not None and state.get('run'):\n"
+        "        break\n"
+        "metrics = urllib.request.urlopen(url + '/metrics').read().decode()\n"
+        "assert 'sddoctor_hang 0' in metrics, metrics\n"
+        "assert state['v'] == 1 and 'verdicts' in state and state['run']['launcher'] == 'python', state\n"
+        "print('endpoint ok')\n"
+    )
+    res = run_supervised(tmp_path, [sys.executable, str(script)], options=())
+    assert res.returncode == 0, res.stderr
+    assert "endpoint ok" in res.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "sddoctor", "report", str(res.run_dir)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and "no problem found" in out.stdout
