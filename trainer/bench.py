@@ -41,18 +41,25 @@ EXIT_BAD_INPUT = 2
 
 GIB = 2**30
 
+#: Settings that only pin a value the trainer had before the key existed: left out for a trainer
+#: that does not know the key (so the anchor variants run on any trainer version).
+PINNED_DEFAULTS: dict[str, Any] = {"model.unet_dtype": "fp32"}
+
+_FP32 = {"model.unet_dtype": "fp32"}
+
 #: Trainer settings per variant, on top of the common settings `common_settings` writes.
 #: Keys that the trainer does not know (yet) make that case fail with a clear row, not the bench.
 VARIANTS: dict[str, dict[str, Any]] = {
     # the trainer as it comes: nothing but the common settings
     "default": {},
     # DESIGN.md's anchor: cached latents + embeddings, channels_last, fused AdamW
-    "cached": {"data.cache": True, "model.channels_last": True, "optim.fused": "true"},
+    "cached": {"data.cache": True, "model.channels_last": True, "optim.fused": "true", **_FP32},
     "compiled": {
         "data.cache": True,
         "model.channels_last": True,
         "optim.fused": "true",
         "model.compile": True,
+        **_FP32,
     },
     # bf16 UNet weights, fp32 master weights in the optimizer (perf-trainer.patch)
     "bf16w": {"data.cache": True, "model.channels_last": True, "model.unet_dtype": "bf16"},
@@ -76,8 +83,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.compile": True,
         "model.compile_mode": "reduce-overhead",
     },
-    "contiguous": {"data.cache": True, "model.channels_last": False, "optim.fused": "true"},
-    "checkpointing": {"data.cache": True, "model.gradient_checkpointing": True},
+    "contiguous": {"data.cache": True, "model.channels_last": False, "optim.fused": "true", **_FP32},
+    "checkpointing": {"data.cache": True, "model.gradient_checkpointing": True, **_FP32},
     # gradient checkpointing, bf16 weights and optimizer state, VAE/text encoder off the GPU
     "saver": {"train.memory_saver": True},
 }
@@ -212,6 +219,13 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
     parser.add_argument("--max-probes", type=int, default=6, help="probe runs for --find-max-batch")
     parser.add_argument("--workdir", default="", help="logs and run directories (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per case before it is stopped")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="wall-clock budget in seconds: cases that would start past it are skipped (0: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", default="", help="also write the JSON to FILE (and the table to FILE.txt)")
     args = parser.parse_args(argv)
@@ -335,12 +349,27 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def trainer_knows(key: str) -> bool:
+    """Whether the trainer's config tree has the dotted `key`."""
+    from trainer.config import Config
+
+    node: Any = Config()
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return False
+        node = getattr(node, part)
+    return True
+
+
 def trainer_command(
     args: argparse.Namespace, case: Case, run_dir: Path, steps: int, warmup: int
 ) -> list[str]:
     settings = common_settings(args, case, warmup + steps)
     settings.update(VARIANTS[case.loop])
     settings.update(case.extra)
+    for key, value in PINNED_DEFAULTS.items():
+        if settings.get(key) == value and not trainer_knows(key):
+            del settings[key]
     flags = [f"{k}={_fmt(v)}" for k, v in settings.items()] + list(args.overrides)
     return [
         *launcher(case.nproc, "trainer"),
@@ -706,7 +735,7 @@ def format_table(report: dict[str, Any]) -> str:
             cells.append("-" if value is None else fmt.format(value))
         body.append(cells)
     widths = [
-        max(len(h), *(len(b[i]) for b in body if not b[4].startswith("FAILED") or i < 5)) if body else len(h)
+        max([len(h), *(len(b[i]) for b in body if not b[4].startswith("FAILED") or i < 5)])
         for i, h in enumerate(header)
     ]
     lines = [
@@ -749,7 +778,12 @@ def main(argv: list[str] | None = None) -> int:
     flops = unet_flops_per_image(args.preset, args.resolution)
     rows: list[Row] = []
     for index, case in enumerate(args.case_list):
-        row = run_case(args, case, workdir, index)
+        elapsed = time.time() - started
+        typical = max((r.seconds for r in rows), default=0.0)
+        if args.budget and elapsed + typical > args.budget:
+            row = Row(case, ok=False, error=f"skipped: --budget {args.budget:g}s reached")
+        else:
+            row = run_case(args, case, workdir, index)
         rows.append(row)
         status = f"{row.images_s:.1f} images/s" if row.ok else row.error
         print(
@@ -757,6 +791,33 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if args.out:  # partial results survive a bench that is stopped from outside
+            partial = dict(make_report(args, device, flops, rows, workdir, started), partial=True)
+            write_outputs(args.out, partial)
+    report = make_report(args, device, flops, rows, workdir, started)
+    if args.find_max_batch:
+        if not device.get("cuda"):
+            print("bench: --find-max-batch needs CUDA; skipped", file=sys.stderr)
+        elif args.budget and time.time() - started > args.budget:
+            print("bench: --find-max-batch skipped: --budget reached", file=sys.stderr)
+        else:
+            report["max_batch"] = find_max_batch(args, workdir, len(rows))
+    report["wall_s"] = time.time() - started
+    print(json.dumps(report, indent=2) if args.json else format_table(report), flush=True)
+    if args.out:
+        write_outputs(args.out, report)
+    failed = [r for r in report["rows"] if not r["ok"]]
+    return EXIT_SOME_FAILED if failed else EXIT_OK
+
+
+def make_report(
+    args: argparse.Namespace,
+    device: dict[str, Any],
+    flops: float,
+    rows: list[Row],
+    workdir: Path,
+    started: float,
+) -> dict[str, Any]:
     report: dict[str, Any] = {
         "preset": args.preset,
         "resolution": args.resolution,
@@ -772,21 +833,16 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [r.as_dict(flops, device.get("peak_tflops")) for r in rows],
     }
     add_comparisons(report["rows"])
-    if args.find_max_batch:
-        if device.get("cuda"):
-            report["max_batch"] = find_max_batch(args, workdir, len(rows))
-        else:
-            print("bench: --find-max-batch needs CUDA; skipped", file=sys.stderr)
     report["wall_s"] = time.time() - started
-    table = format_table(report)
-    text = json.dumps(report, indent=2)
-    print(text if args.json else table, flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
-        Path(args.out + ".txt").write_text(table + "\n", encoding="utf-8")
-    failed = [r for r in report["rows"] if not r["ok"]]
-    return EXIT_SOME_FAILED if failed else EXIT_OK
+    return report
+
+
+def write_outputs(path: str, report: dict[str, Any]) -> None:
+    """The JSON at `path` and the table at `path`.txt."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    Path(path + ".txt").write_text(format_table(report) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
