@@ -100,3 +100,29 @@ def test_ddp_sweep_plans_every_bucket_and_view_and_log_interval_divides_the_wind
 def test_flop_count_matches_the_sd2_anchor_within_five_percent():
     # DESIGN.md: 2.47 TFLOP per image for SD2-base fwd+bwd at 512 px (meta device: no memory)
     assert bench.unet_flops_per_image("sd2-base", 512) / 1e12 == pytest.approx(2.47, rel=0.05)
+
+
+def test_max_batch_search_doubles_then_follows_the_memory_line_then_bisects():
+    # one fitting probe: double
+    assert bench.next_probe(4, 0, [(4, 8.0)], 23.0) == 8
+    # two fitting probes 1 GiB apart per 4 images: the line says 64, capped at 4x the last fit
+    assert bench.next_probe(8, 0, [(4, 8.0), (8, 9.0)], 23.0) == 32
+    # a failure above: the guess (64) is outside (8, 40), so bisect
+    assert bench.next_probe(8, 40, [(4, 8.0), (8, 9.0)], 23.0) == 24
+    # a guess strictly inside the interval is taken
+    assert bench.next_probe(32, 64, [(4, 8.0), (32, 16.0)], 23.0) == 56
+    # no peaks known (CPU or a failed read): plain bisection
+    assert bench.next_probe(4, 8, [], 23.0) == 6
+
+
+def test_table_marks_failed_rows_and_keeps_columns_aligned():
+    ok = bench.Row(bench.Case("default", 8, 1), ok=True, it_s=2.0, images_s=16.0, mem_peak=3 * bench.GIB)
+    bad = bench.Row(bench.Case("best", 8, 1), ok=False, error="exit 2: unknown config key")
+    rows = [r.as_dict(1e12, 100.0) for r in (ok, bad)]
+    bench.add_comparisons(rows)
+    report = {"preset": "tiny", "resolution": 32, "device": "cpu", "tflop_per_image": 1.0,
+              "peak_tflops": 100.0, "steps": 2, "warmup": 2, "rows": rows}  # fmt: skip
+    lines = bench.format_table(report).splitlines()
+    assert "FAILED: exit 2: unknown config key" in lines[3]
+    assert lines[2].split() == ["default", "1", "8", "8", "2.00", "16.0", "16.0", "3.0", "16", "16.0%",
+                                "-", "-", "-"]  # fmt: skip

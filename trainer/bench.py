@@ -251,7 +251,9 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
 
 def build_cases(args: argparse.Namespace) -> list[Case]:
     cases: list[Case] = []
-    if args.cases:
+    if args.cases == "none":
+        pass  # e.g. only --find-max-batch
+    elif args.cases:
         for item in args.cases.split(","):
             loop, sep, batch = item.strip().partition("@")
             if not sep or not batch.isdigit() or int(batch) < 1:
@@ -648,21 +650,11 @@ def find_max_batch(args: argparse.Namespace, workdir: Path, start_index: int) ->
             break
         if verdict:
             fits = batch
-            if fails:
-                break
-            batch *= 2
         else:
             fails = batch
+        if fails and fails - fits <= 1:
             break
-    while fails and fails - fits > 1 and len(probes) < args.max_probes:
-        mid = (fits + fails) // 2
-        verdict = probe(mid)
-        if verdict is None:
-            break
-        if verdict:
-            fits = mid
-        else:
-            fails = mid
+        batch = next_probe(fits, fails, [(p["batch"], p["peak_gib"]) for p in probes if p["fits"]], cap / GIB)
     return {
         "card_gib": args.find_max_batch,
         "allocator_cap_gib": cap / GIB,
@@ -672,6 +664,26 @@ def find_max_batch(args: argparse.Namespace, workdir: Path, start_index: int) ->
         "exact": bool(fails) and fails - fits == 1,
         "probes": probes,
     }
+
+
+def next_probe(fits: int, fails: int, points: list[tuple[int, float | None]], cap_gib: float) -> int:
+    """The next batch to try: a straight-line guess from two fitting peaks, kept inside (fits, fails).
+
+    Peak memory grows about linearly with the batch (fixed weights and optimizer state plus
+    activations per image), so two fitting probes predict the limit; doubling before that, and
+    plain bisection when there is no usable prediction.
+    """
+    known = sorted((b, peak) for b, peak in points if peak)
+    guess = 0
+    if len(known) >= 2:
+        (b1, p1), (b2, p2) = known[-2], known[-1]
+        per_image = (p2 - p1) / (b2 - b1) if b2 != b1 else 0.0
+        if per_image > 0:
+            guess = int(b2 + (cap_gib - p2) / per_image)
+    if not fails:
+        return max(fits + 1, min(guess, 4 * fits)) if guess else 2 * fits
+    # a guess at the edge of the interval would creep one batch at a time: bisect instead
+    return guess if fits + 1 < guess < fails - 1 else (fits + fails) // 2
 
 
 # -- the table --------------------------------------------------------------------------------------
