@@ -91,3 +91,24 @@ def test_cast_inputs_feeds_a_bf16_module_fp32_tensors():
     wrapped = CastInputs(layer, torch.bfloat16)
     assert wrapped(torch.randn(3, 4)).dtype == torch.bfloat16
     assert list(wrapped.parameters()) == list(layer.parameters())
+
+
+def test_state_dict_round_trip_keeps_fp32_master_and_moments():
+    model, x, y = _problem()
+    model.to(torch.bfloat16)
+    opt = MixedPrecisionAdamW(model.parameters(), lr=3e-3, master_weights=True)
+    _train(model, opt, x, y, steps=3)
+    twin, _, _ = _problem()
+    twin.to(torch.bfloat16).load_state_dict(model.state_dict())
+    fresh = MixedPrecisionAdamW(twin.parameters(), lr=3e-3, master_weights=True)
+    fresh.load_state_dict(opt.state_dict())
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert fresh.state[q][key].dtype == torch.float32
+            assert torch.equal(fresh.state[q][key], opt.state[p][key])
+        assert fresh.state[q]["step"] == 3
+    # training continues identically from the restored state
+    _train(model, opt, x, y, steps=2)
+    _train(twin, fresh, x, y, steps=2)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)

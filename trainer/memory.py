@@ -77,6 +77,17 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.chunk_elements = chunk_elements
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but state tensors keep their own dtype (torch casts them to the parameter's:
+        a bf16 parameter would get its fp32 master copy rounded to bf16 on resume)."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            param = params[int(index)]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[param][key] = value.to(device=param.device, copy=True)
+
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
