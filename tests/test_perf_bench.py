@@ -51,16 +51,16 @@ def test_bench_measures_reference_and_trainer_on_one_and_two_ranks(tmp_path):
     ]
 
 
-def test_a_failing_case_is_a_row_and_exit_code_1(tmp_path):
+def test_a_case_past_its_timeout_is_stopped_and_becomes_a_failed_row(tmp_path):
     cmd = [
         sys.executable, "-m", "trainer.bench", "--preset", "tiny", "--cases", "default@4",
-        "--set", "train.no_such_key=1", "--steps", "1", "--warmup", "1", "--json",
-        "--workdir", str(tmp_path),
+        "--steps", "1", "--warmup", "1", "--timeout", "1", "--json", "--workdir", str(tmp_path),
     ]  # fmt: skip
-    result = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=200)
+    result = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == bench.EXIT_SOME_FAILED, result.stderr[-2000:]
     (row,) = json.loads(result.stdout)["rows"]
-    assert not row["ok"] and "no_such_key" in row["error"]
+    assert not row["ok"] and row["error"] == "timed out" and row["images_s"] is None
+    assert (tmp_path / "00-default-b4-n1.log").read_text().startswith("$ ")
 
 
 @pytest.mark.parametrize(

@@ -217,6 +217,7 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
     )
     parser.add_argument("--max-batch-variant", default="saver", help="variant for --find-max-batch")
     parser.add_argument("--max-probes", type=int, default=6, help="probe runs for --find-max-batch")
+    parser.add_argument("--max-batch-start", type=int, default=4, help="first batch --find-max-batch tries")
     parser.add_argument("--workdir", default="", help="logs and run directories (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per case before it is stopped")
     parser.add_argument(
@@ -622,7 +623,7 @@ def find_max_batch(args: argparse.Namespace, workdir: Path, start_index: int) ->
     cap_env = {"SDDOCTOR_BENCH_CAP_BYTES": str(cap)}
     probes: list[dict[str, Any]] = []
     fits, fails = 0, 0
-    batch = 4
+    batch = args.max_batch_start
     index = start_index
 
     def probe(b: int) -> bool | None:
