@@ -168,16 +168,26 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(weights, m, denom, -lr / bias1)
         if not fp32_state:
-            for s, m32, v32 in zip(states, m, v, strict=True):
-                s["exp_avg"].copy_(m32)
-                s["exp_avg_sq"].copy_(v32)
+            _copy_all([s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states], m + v)
+        nearest: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p, s, w in zip(params, states, weights, strict=True):
             if w is p:
                 continue  # fp32 parameter updated in place
             if "master" in s or not self.stochastic_rounding or p.dtype != torch.bfloat16:
-                p.copy_(w)
+                nearest.append((p, w))
             else:
                 stochastic_round_to_bf16(w, p)
+        if nearest:
+            _copy_all([p for p, _ in nearest], [w for _, w in nearest])
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i].copy_(sources[i]) for all i; one multi-tensor launch where torch has it."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(targets, sources)
+    else:  # pragma: no cover - older torch
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
 
 
 class CastInputs(torch.nn.Module):
