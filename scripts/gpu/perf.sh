@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# Trainer speed and memory on ONE CUDA GPU, SD2-base architecture (random weights), 512 px, bf16:
+# about 8.5 minutes in all. Run from the repository root (with perf-trainer.patch applied, the
+# bf16 / compile / memory-saver cases measure the new switches; without it they fail as rows).
+#   $OUT/perf/bench.json, bench.json.txt      the table: reference loop vs trainer variants
+#   $OUT/perf/maxbatch.json, maxbatch.json.txt  largest memory-saver batch under a 24 GiB card
+#   $OUT/perf/gpu.txt                          GPU, driver, torch/diffusers versions
+#   $OUT/perf/logs/                            one log per case (command line first)
+set -uo pipefail
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT/perf/logs"
+WORK=/tmp/perf-work
+rm -rf "$WORK" && mkdir -p "$WORK"
+export SDDOCTOR_CACHE_DIR="$WORK/latents"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv | tee "$OUT/perf/gpu.txt"
+python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/perf/gpu.txt"
+
+# (1) the table, most important cases first; --budget skips the rest once 305 s are spent.
+#   reference@B   diffusers train_text_to_image style (fp32 UNet under bf16 autocast, VAE + text
+#                 encoder every step, torch AdamW, clipping)
+#   default@B     the trainer as configured by its sd2-base preset
+#   best@B        + torch.compile of the UNet (bf16 weights, cached latents, channels_last)
+#   saver@4       train.memory_saver=true (goal: under 12 GiB)
+#   cached@32     DESIGN.md's anchor: fp32 UNet under autocast, cached latents, channels_last, fused AdamW
+timeout -k 15 375 python3 -m trainer.bench --preset sd2-base --warmup 5 --steps 15 \
+    --cases reference@32,default@32,best@48,saver@4,reference@16,default@16,cached@32,default@48,best@32 \
+    --budget 305 --timeout 200 --workdir "$WORK/table" --out "$OUT/perf/bench.json"
+echo "bench exit code $?" | tee -a "$OUT/perf/gpu.txt"
+
+# (2) largest memory-saver batch that fits a 24 GiB card (allocator capped at 23 GiB), 4 probes.
+timeout -k 10 130 python3 -m trainer.bench --preset sd2-base --cases none --find-max-batch 24 \
+    --max-batch-variant saver --max-batch-start 8 --max-probes 4 --timeout 60 --workdir "$WORK/maxbatch" --out "$OUT/perf/maxbatch.json"
+echo "max-batch exit code $?" | tee -a "$OUT/perf/gpu.txt"
+
+cp "$WORK"/table/*.log "$WORK"/maxbatch/*.log "$OUT/perf/logs/" 2>/dev/null
+cat "$OUT/perf/bench.json.txt" "$OUT/perf/maxbatch.json.txt" 2>/dev/null

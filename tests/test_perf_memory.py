@@ -1,0 +1,114 @@
+"""trainer.memory: MixedPrecisionAdamW against torch.optim.AdamW, stochastic rounding, CastInputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.memory import CastInputs, MixedPrecisionAdamW, optimizer_state_bytes, stochastic_round_to_bf16
+
+
+def _problem(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    return model, torch.randn(64, 16), torch.randn(64, 4)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x, y, steps: int = 30) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_fp32_matches_torch_adamw():
+    ref, x, y = _problem()
+    ours, _, _ = _problem()
+    kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    _train(ref, torch.optim.AdamW(ref.parameters(), **kw), x, y)
+    # a tiny chunk size: several foreach chunks per step
+    _train(ours, MixedPrecisionAdamW(ours.parameters(), chunk_elements=100, **kw), x, y)
+    for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_weights_with_fp32_master_track_torch_adamw():
+    ref, x, y = _problem()
+    ours, _, _ = _problem()
+    ours.to(torch.bfloat16)
+    kw = dict(lr=3e-3, weight_decay=0.01)
+    ref_losses = _train(ref, torch.optim.AdamW(ref.parameters(), **kw), x, y)
+    opt = MixedPrecisionAdamW(ours.parameters(), master_weights=True, **kw)
+    our_losses = _train(ours, opt, x, y)
+    for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
+        master = opt.state[b]["master"]
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, a, rtol=0, atol=0.03)  # bf16 gradients, fp32 accumulation
+        assert torch.equal(b, master.to(torch.bfloat16))
+    assert our_losses[-1] < 0.8 * our_losses[0]
+    assert our_losses[-1] == pytest.approx(ref_losses[-1], rel=0.1)
+
+
+def test_bf16_state_without_master_halves_state_and_still_trains():
+    model, x, y = _problem()
+    model.to(torch.bfloat16)
+    opt = MixedPrecisionAdamW(model.parameters(), lr=3e-3, master_weights=False, state_dtype=torch.bfloat16)
+    losses = _train(model, opt, x, y)
+    params = sum(p.numel() for p in model.parameters())
+    assert optimizer_state_bytes(opt) == 2 * 2 * params  # two bf16 moments, no master copy
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_rounding_loses_the_update():
+    # 1 + 2**-10 lies an eighth of the way from 1 to the next bf16 value (1 + 2**-7)
+    source = torch.full((200_000,), 1.0 + 2**-10)
+    out = torch.empty_like(source, dtype=torch.bfloat16)
+    stochastic_round_to_bf16(source, out, generator=torch.Generator().manual_seed(0))
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert out.float().mean().item() == pytest.approx(1.0 + 2**-10, abs=2e-5)
+    assert source.to(torch.bfloat16).float().mean().item() == 1.0  # what nearest rounding does
+    negative = torch.full((200_000,), -(1.0 + 2**-10))
+    stochastic_round_to_bf16(negative, out, generator=torch.Generator().manual_seed(1))
+    assert out.float().mean().item() == pytest.approx(-(1.0 + 2**-10), abs=2e-5)
+
+
+def test_bad_settings_raise():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="state_dtype"):
+        MixedPrecisionAdamW(p, state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="invalid AdamW"):
+        MixedPrecisionAdamW(p, lr=-1.0)
+
+
+def test_cast_inputs_feeds_a_bf16_module_fp32_tensors():
+    layer = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        layer(torch.randn(3, 4))
+    wrapped = CastInputs(layer, torch.bfloat16)
+    assert wrapped(torch.randn(3, 4)).dtype == torch.bfloat16
+    assert list(wrapped.parameters()) == list(layer.parameters())
+
+
+def test_state_dict_round_trip_keeps_fp32_master_and_moments():
+    model, x, y = _problem()
+    model.to(torch.bfloat16)
+    opt = MixedPrecisionAdamW(model.parameters(), lr=3e-3, master_weights=True)
+    _train(model, opt, x, y, steps=3)
+    twin, _, _ = _problem()
+    twin.to(torch.bfloat16).load_state_dict(model.state_dict())
+    fresh = MixedPrecisionAdamW(twin.parameters(), lr=3e-3, master_weights=True)
+    fresh.load_state_dict(opt.state_dict())
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert fresh.state[q][key].dtype == torch.float32
+            assert torch.equal(fresh.state[q][key], opt.state[p][key])
+        assert fresh.state[q]["step"] == 3
+    # training continues identically from the restored state
+    _train(model, opt, x, y, steps=2)
+    _train(twin, fresh, x, y, steps=2)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,217 @@
+"""Lower-precision training state: bf16 UNet weights, bf16 optimizer state, and what they need.
+
+An fp32 UNet under bf16 autocast keeps 16 bytes per parameter (weights, gradients, two Adam
+moments, all fp32) and casts every weight to bf16 on every forward; GroupNorm runs in fp32 under
+autocast, so activations go back and forth between fp32 and bf16 around every norm layer. Keeping
+the UNet itself in bf16 removes the casts and halves weights and gradients; the optimizer then
+decides what precision the update has:
+
+    MixedPrecisionAdamW(params, master_weights=True)            fp32 master copy + fp32 moments
+        the update is computed and accumulated in fp32, exactly AdamW on the master copy, and
+        written to the bf16 weights by rounding: 4 + 2 + 2 + 8 = 16 bytes per parameter
+    MixedPrecisionAdamW(params, master_weights=False, state_dtype=torch.bfloat16)
+        no master copy, bf16 moments, stochastic rounding of the updated weights (an unbiased
+        rounding, so updates far below bf16's resolution still move the weights on average):
+        2 + 2 + 4 = 8 bytes per parameter, what `train.memory_saver` uses
+
+For fp32 parameters with fp32 state it is plain AdamW (decoupled weight decay), and matches
+`torch.optim.AdamW` to rounding (tests/test_perf_memory.py).
+
+The update runs with torch._foreach ops over chunks of tensors, so its fp32 temporaries are
+bounded by `chunk_elements` rather than by the model size.
+
+`CastInputs` wraps a bf16 UNet so that the fp32 latents the objective builds enter it in bf16
+(a bf16 convolution refuses fp32 input); autocast is then off for the UNet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def stochastic_round_to_bf16(
+    source: torch.Tensor, out: torch.Tensor, generator: torch.Generator | None = None
+) -> None:
+    """Write fp32 `source` into bf16 `out`, rounding up with probability equal to the dropped fraction.
+
+    bf16 is the upper half of an fp32 bit pattern: adding a uniform random 16-bit integer to the
+    lower half and truncating rounds up exactly with the probability the lower half represents.
+    """
+    bits = source.contiguous().view(torch.int32)
+    noise = torch.randint(
+        0, 1 << 16, source.shape, device=source.device, dtype=torch.int32, generator=generator
+    )
+    rounded = (bits + noise) & -65536  # keep the upper 16 bits
+    out.copy_(rounded.view(torch.float32))  # exact: the lower bits are zero
+
+
+class MixedPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW for bf16 (or fp32) parameters with an fp32 master copy or bf16 state; see the module doc."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        master_weights: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = True,
+        chunk_elements: int = 1 << 25,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(
+                f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
+            )
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.master_weights = master_weights
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self.chunk_elements = chunk_elements
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but state tensors keep their own dtype (torch casts them to the parameter's:
+        a bf16 parameter would get its fp32 master copy rounded to bf16 on resume)."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            param = params[int(index)]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[param][key] = value.to(device=param.device, copy=True)
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(
+                p, dtype=self.state_dtype, memory_format=torch.preserve_format
+            )
+            state["exp_avg_sq"] = torch.zeros_like(
+                p, dtype=self.state_dtype, memory_format=torch.preserve_format
+            )
+            if self.master_weights and p.dtype != torch.float32:
+                state["master"] = p.detach().float().clone()
+        return state
+
+    def _chunks(self, params: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for p in params:
+            chunk.append(p)
+            size += p.numel()
+            if size >= self.chunk_elements:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            states = {id(p): self._state(p) for p in params}
+            for p in params:
+                states[id(p)]["step"] += 1
+            # One step count per group keeps the foreach math uniform (all params step together).
+            step = states[id(params[0])]["step"]
+            bias1 = 1 - beta1**step
+            bias2_sqrt = math.sqrt(1 - beta2**step)
+            for chunk in self._chunks(params):
+                self._update(
+                    chunk, [states[id(p)] for p in chunk], lr, beta1, beta2, eps, wd, bias1, bias2_sqrt
+                )
+        return loss
+
+    def _update(
+        self,
+        params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        wd: float,
+        bias1: float,
+        bias2_sqrt: float,
+    ) -> None:
+        grads = [p.grad.float() if p.grad.dtype != torch.float32 else p.grad for p in params]  # type: ignore[union-attr]
+        weights = [
+            s["master"] if "master" in s else (p if p.dtype == torch.float32 else p.float())
+            for p, s in zip(params, states, strict=True)
+        ]
+        fp32_state = self.state_dtype == torch.float32
+        m = [s["exp_avg"] if fp32_state else s["exp_avg"].float() for s in states]
+        v = [s["exp_avg_sq"] if fp32_state else s["exp_avg_sq"].float() for s in states]
+        if wd:
+            torch._foreach_mul_(weights, 1 - lr * wd)
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(weights, m, denom, -lr / bias1)
+        if not fp32_state:
+            _copy_all([s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states], m + v)
+        nearest: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p, s, w in zip(params, states, weights, strict=True):
+            if w is p:
+                continue  # fp32 parameter updated in place
+            if "master" in s or not self.stochastic_rounding or p.dtype != torch.bfloat16:
+                nearest.append((p, w))
+            else:
+                stochastic_round_to_bf16(w, p)
+        if nearest:
+            _copy_all([p for p, _ in nearest], [w for _, w in nearest])
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i].copy_(sources[i]) for all i; one multi-tensor launch where torch has it."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(targets, sources)
+    else:  # pragma: no cover - older torch
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
+
+
+class CastInputs(torch.nn.Module):
+    """Runs `module` on floating-point inputs cast to `dtype` (positional and keyword tensors)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def _cast(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.dtype)
+        return value
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*(self._cast(a) for a in args), **{k: self._cast(v) for k, v in kwargs.items()})
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held in the optimizer's state tensors (for memory reports)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
