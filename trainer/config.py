@@ -44,6 +44,15 @@ class ModelConfig:
     channels_last: bool = True
     compile: bool = False
     """torch.compile the UNet (first steps are slow while it compiles)."""
+    compile_mode: str = ""
+    """torch.compile mode: '' (default) | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs."""
+    unet_dtype: str = "fp32"
+    """fp32 (under autocast) | bf16 (bf16 weights, no autocast; the optimizer keeps fp32 master weights
+    unless optim.master_weights=false) | auto (bf16 when training in bf16 on CUDA, else fp32)."""
+    init_on_device: bool = True
+    """Create preset models with random weights directly on the GPU (seconds instead of a minute on the host)."""
+    offload_frozen: bool = False
+    """With data.cache: move the VAE and text encoder to host memory once the cache is built."""
 
 
 @dataclass
@@ -68,6 +77,12 @@ class TrainConfig:
     """Probability of training on the empty caption, which classifier-free guidance needs."""
     log_every: int = 10
     """Steps between loss read-backs (one host sync each) and progress lines."""
+    cudnn_benchmark: bool = True
+    """Let cuDNN time its convolution algorithms for the UNet's fixed shapes (CUDA)."""
+    tf32: bool = True
+    """TF32 for the fp32 matmuls and convolutions that remain (CUDA, Ampere and newer)."""
+    memory_saver: bool = False
+    """Fit small GPUs: the MEMORY_SAVER settings below, for every key not set explicitly."""
 
 
 @dataclass
@@ -78,6 +93,10 @@ class OptimConfig:
     eps: float = 1e-8
     fused: str = "auto"
     """auto (fused AdamW on CUDA) | true | false."""
+    state_dtype: str = "fp32"
+    """fp32 | bf16: dtype of the Adam moments (bf16 uses trainer.memory.MixedPrecisionAdamW)."""
+    master_weights: bool = True
+    """With bf16 UNet weights: keep an fp32 master copy in the optimizer (false: stochastic rounding)."""
     schedule: str = "cosine"
     """cosine | constant (both after linear warmup)."""
     warmup_steps: int = 0
@@ -169,6 +188,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "sd15": {
         "data.resolution": 512,
+        "data.cache": True,
+        "data.num_workers": 2,
+        "model.unet_dtype": "auto",
         "train.micro_batch": 4,
         "train.mixed_precision": "auto",
         "train.ema_decay": 0.9999,
@@ -178,6 +200,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "sd2-base": {
         "data.resolution": 512,
+        "data.cache": True,
+        "data.num_workers": 2,
+        "model.unet_dtype": "auto",
         "train.micro_batch": 4,
         "train.mixed_precision": "auto",
         "train.ema_decay": 0.9999,
@@ -185,6 +210,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "optim.warmup_steps": 100,
         "sample.prompts": ["a photo of an astronaut riding a horse"],
     },
+}
+
+
+#: What train.memory_saver=true sets, unless the key is given explicitly (--set, --config).
+#: SD2-base at batch 4, 512 px: bf16 weights + bf16 gradients + bf16 moments (8 bytes per UNet
+#: parameter, ~6.9 GB), activations recomputed in backward, VAE and text encoder off the GPU.
+MEMORY_SAVER: dict[str, Any] = {
+    "model.gradient_checkpointing": True,
+    "model.unet_dtype": "bf16",
+    "model.offload_frozen": True,
+    "optim.state_dtype": "bf16",
+    "optim.master_weights": False,
+    "data.cache": True,
 }
 
 
@@ -212,6 +250,10 @@ def build_config(
         set_key(cfg, key, value, source=config_file)
     for key, raw in set_values.items():
         set_key(cfg, key, raw, source="--set", from_text=True)
+    if cfg.train.memory_saver:
+        for key, value in MEMORY_SAVER.items():
+            if key not in set_values and key not in file_values:
+                set_key(cfg, key, value, source="train.memory_saver")
     cfg.model.preset = chosen
     validate(cfg)
     return cfg
@@ -362,6 +404,9 @@ _CHOICES = {
     "optim.schedule": ("cosine", "constant"),
     "ddp.backend": ("auto", "nccl", "gloo"),
     "model.prediction_type": ("", "epsilon", "v_prediction"),
+    "model.unet_dtype": ("fp32", "bf16", "auto"),
+    "model.compile_mode": ("", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    "optim.state_dtype": ("fp32", "bf16"),
 }
 
 _POSITIVE = ("train.max_steps", "train.micro_batch", "train.grad_accum", "train.log_every", "sample.steps")

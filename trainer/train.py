@@ -13,6 +13,7 @@ uninterrupted one exactly on CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import os
@@ -43,6 +44,7 @@ from trainer.checkpoint import (
 from trainer.config import Config, ConfigError, build_config, to_dict, to_toml
 from trainer.data import DataError, ResumableDistributedSampler, build_dataloader, build_dataset
 from trainer.export import export_pipeline
+from trainer.memory import CastInputs, MixedPrecisionAdamW
 from trainer.models import ModelLoadError, build_models, count_parameters
 from trainer.objective import DiffusionObjective
 from trainer.optim import EMA, build_lr_scheduler, build_optimizer
@@ -310,6 +312,10 @@ class Trainer:
         if dtype == torch.bfloat16 and device.type == "cpu" and cfg.train.mixed_precision == "auto":
             dtype = torch.float32
         start_time = time.time()
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+            torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.train.tf32
 
         # Bad input (data folder, --resume target) fails here, before any model is built.
         ckpt_root = self.out_dir / "checkpoints"
@@ -323,7 +329,13 @@ class Trainer:
 
         # Model init must be identical on every rank (the frozen parts are never broadcast).
         torch.manual_seed(cfg.train.seed)
-        models = build_models(cfg.model.preset, cfg.model.path, cfg.model.prediction_type)
+        # Random init straight on the GPU (seconds, not a minute of host init for SD-size models);
+        # the seeded CUDA generator gives every rank the same weights.
+        on_device = cfg.model.init_on_device and not cfg.model.path and device.type == "cuda"
+        with torch.device(device) if on_device else contextlib.nullcontext():
+            models = build_models(cfg.model.preset, cfg.model.path, cfg.model.prediction_type)
+        if on_device:  # the noise schedule's tables belong on the host, as after a normal build
+            models.noise_scheduler = type(models.noise_scheduler).from_config(models.noise_scheduler.config)
         unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
         self.log(
             f"model {models.source}: unet {count_parameters(unet):,} | vae {count_parameters(vae):,} | "
@@ -331,6 +343,13 @@ class Trainer:
             f"{device.type}, {str(dtype).removeprefix('torch.')}"
         )
         unet.to(device)
+        # bf16 weights: no per-forward weight casts and no fp32 GroupNorm round trips under
+        # autocast; the optimizer keeps the fp32 master copy (trainer/memory.py).
+        unet_bf16 = cfg.model.unet_dtype == "bf16" or (
+            cfg.model.unet_dtype == "auto" and dtype == torch.bfloat16 and device.type == "cuda"
+        )
+        if unet_bf16:
+            unet.to(dtype=torch.bfloat16)
         vae.to(device).requires_grad_(False).eval()
         text_encoder.to(device).requires_grad_(False).eval()
         if cfg.model.gradient_checkpointing:
@@ -423,10 +442,23 @@ class Trainer:
 
         # DDP, optimizer, schedule, EMA, loss scaler.
         unet.train()
-        model = torch.compile(unet) if cfg.model.compile else unet
+        model = torch.compile(unet, mode=cfg.model.compile_mode or None) if cfg.model.compile else unet
+        if unet_bf16:
+            model = CastInputs(model, torch.bfloat16)
         ddp_model = wrap(model)
         params = [p for p in unet.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, cfg.optim, device)
+        if unet_bf16 or cfg.optim.state_dtype == "bf16":
+            optimizer = MixedPrecisionAdamW(
+                params,
+                lr=cfg.optim.lr,
+                betas=tuple(cfg.optim.betas),
+                eps=cfg.optim.eps,
+                weight_decay=cfg.optim.weight_decay,
+                master_weights=cfg.optim.master_weights,
+                state_dtype=torch.bfloat16 if cfg.optim.state_dtype == "bf16" else torch.float32,
+            )
+        else:
+            optimizer = build_optimizer(params, cfg.optim, device)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         ema = EMA(unet, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
@@ -448,6 +480,14 @@ class Trainer:
             sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume_path), action="resume")
 
         objective = DiffusionObjective(cfg, models, device, dtype, frozen_dtype, generator, scaler)
+        if unet_bf16:
+            objective.autocast = contextlib.nullcontext  # the UNet is bf16 already
+        # Cached batches never touch the VAE or the text encoder: give their memory to training.
+        offloaded = cfg.model.offload_frozen and cfg.data.cache and device.type == "cuda"
+        if offloaded:
+            vae.to("cpu")
+            text_encoder.to("cpu")
+            torch.cuda.empty_cache()
 
         def optimizer_step() -> None:
             """Unscale, clip, step, schedule, EMA, zero_grad."""
@@ -505,6 +545,9 @@ class Trainer:
                 return
             if d.rank == 0:
                 t0 = time.time()
+                if offloaded:
+                    vae.to(device)
+                    text_encoder.to(device)
                 with ema_weights(unet, ema):
                     grid = sample_grid(
                         models,
@@ -518,6 +561,9 @@ class Trainer:
                         device,
                         dtype,
                     )
+                if offloaded:
+                    vae.to("cpu")
+                    text_encoder.to("cpu")
                 path = save_grid(grid, self.out_dir / "samples", step)
                 self.log(f"samples {path} ({time.time() - t0:.1f}s)")
             _barrier()
@@ -532,6 +578,8 @@ class Trainer:
         progress.reset(step)
         loss_window = torch.zeros((), device=device)
         window_steps = 0
+        if device.type == "cuda":  # step events report the training peak, not the setup's (cache build)
+            torch.cuda.reset_peak_memory_stats(device)
         mem_alloc, mem_peak = memory_bytes(device)
         self.log(
             f"training {cfg.train.max_steps} steps from step {step}: global batch {images_per_step} "
@@ -544,6 +592,7 @@ class Trainer:
         last_end = time.perf_counter()
         while step < cfg.train.max_steps:
             sdi.phase("data")
+            wait_start = time.perf_counter()
             if data_iter is None:
                 sampler.set_epoch(epoch)
                 data_iter = iter(loader)
@@ -554,6 +603,7 @@ class Trainer:
                 data_iter = None
                 continue
             batch = objective.prepare(raw)
+            data_wait = time.perf_counter() - wait_start  # host time waiting for the loader
             lr = lr_scheduler.get_last_lr()[0]  # the rate this step uses
             result = run_step(
                 ddp_model,
@@ -581,6 +631,7 @@ class Trainer:
                 mem_peak=mem_peak,
                 lr=lr,
                 images_per_s=images_per_step / step_time if step_time > 0 else None,
+                data_wait=data_wait,
             )
 
             # Logging interval: the one host sync (mean loss over ranks, and whether anyone was signalled).

@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Trainer speed and memory on ONE CUDA GPU, SD2-base architecture (random weights), 512 px, bf16:
-# about 8.5 minutes in all. Run from the repository root (with perf-trainer.patch applied, the
-# bf16 / compile / memory-saver cases measure the new switches; without it they fail as rows).
+# about 8.5 minutes in all. Run from the repository root.
 #   $OUT/perf/bench.json, bench.json.txt      the table: reference loop vs trainer variants
 #   $OUT/perf/maxbatch.json, maxbatch.json.txt  largest memory-saver batch under a 24 GiB card
 #   $OUT/perf/gpu.txt                          GPU, driver, torch/diffusers versions

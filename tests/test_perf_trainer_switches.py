@@ -1,0 +1,59 @@
+"""The trainer's speed and memory switches (model.unet_dtype, train.memory_saver, ...), on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import subprocess_env
+from trainer.config import MEMORY_SAVER, ConfigError, build_config
+
+
+def test_memory_saver_sets_its_keys_unless_given_explicitly():
+    cfg = build_config("sd2-base", None, ["train.memory_saver=true", "optim.master_weights=true"])
+    assert cfg.model.gradient_checkpointing and cfg.model.offload_frozen and cfg.data.cache
+    assert cfg.model.unet_dtype == "bf16" and cfg.optim.state_dtype == "bf16"
+    assert cfg.optim.master_weights is True  # explicit --set wins over the preset of settings
+    plain = build_config("sd2-base", None, [])
+    assert not plain.train.memory_saver and not plain.model.gradient_checkpointing
+    assert set(MEMORY_SAVER) <= {
+        f"{a}.{b}" for a in ("model", "optim", "data") for b in dir(getattr(plain, a))
+    }
+
+
+def test_bad_precision_values_are_config_errors():
+    with pytest.raises(ConfigError, match="model.unet_dtype"):
+        build_config("tiny", None, ["model.unet_dtype=fp8"])
+    with pytest.raises(ConfigError, match="optim.state_dtype"):
+        build_config("tiny", None, ["optim.state_dtype=int4"])
+
+
+def test_memory_saver_run_trains_with_bf16_state(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--output-dir",
+        str(out),
+        "--set",
+        "train.memory_saver=true",
+        "train.max_steps=4",
+        "train.micro_batch=8",
+        "train.log_every=2",
+        "model.vae_warmup_steps=0",
+        "data.max_samples=32",
+        "sample.at_end=false",
+        "output.export=false",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    result = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    events = [json.loads(line) for line in (out / "ranks" / "rank-00000.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    assert all(e["data_wait"] >= 0 for e in steps)
+    assert all(e["loss"] == e["loss"] for e in steps)  # no NaN from bf16 state
