@@ -61,7 +61,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.compile": True,
         **_FP32,
     },
-    # bf16 UNet weights, fp32 master weights in the optimizer (perf-trainer.patch)
+    # bf16 UNet weights, fp32 master weights in the optimizer
     "bf16w": {"data.cache": True, "model.channels_last": True, "model.unet_dtype": "bf16"},
     "bf16w-compiled": {
         "data.cache": True,
