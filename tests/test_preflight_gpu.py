@@ -42,7 +42,8 @@ def test_nccl_sweep_on_every_gpu(torch):
     )
     result = bw.run_bandwidth_test(n, plan, backend="nccl", timeout=120)
     assert result.ok, result
-    assert all(r.correct for r in result.rows) and len(result.rows) == 4
+    # one rank runs the all-reduce sizes only (nothing crosses a link): 2 rows; several ranks run all 4
+    assert all(r.correct for r in result.rows) and len(result.rows) == (4 if n >= 2 else 2)
     if n >= 2:
         assert all(r.busbw > 0 for r in result.rows)
     else:

@@ -12,6 +12,7 @@ from sddoctor.gpu.topology import expected_busbw_gbps, expected_pair_gbps, norma
 from sddoctor.preflight.findings import Finding
 from sddoctor.preflight.nccl_vars import (
     KNOWN_NCCL_VARS,
+    NOT_SETTINGS,
     REMOVED_NCCL_VARS,
     TORCH_RENAMED_VARS,
     closest_nccl_var,
@@ -607,7 +608,7 @@ def check_nccl_env(s: SystemSnapshot) -> list[Finding]:
     env = s.env
     findings: list[Finding] = []
     for name in sorted(k for k in env if k.startswith("NCCL_")):
-        if name in KNOWN_NCCL_VARS:
+        if name in KNOWN_NCCL_VARS or name in NOT_SETTINGS:
             continue
         if name in TORCH_RENAMED_VARS:
             findings.append(

@@ -272,6 +272,10 @@ TORCH_RENAMED_VARS: dict[str, str] = {
     "NCCL_ENABLE_MONITORING": "TORCH_NCCL_ENABLE_MONITORING",
 }
 
+#: NCCL_* names that are not NCCL settings but are set by NVIDIA's container images and
+#: packaging (they record the installed version); never reported as unknown.
+NOT_SETTINGS: frozenset[str] = frozenset({"NCCL_VERSION", "NCCL_HOME", "NCCL_ROOT", "NCCL_ROOT_DIR"})
+
 #: Names NCCL read once and no longer does.
 REMOVED_NCCL_VARS: dict[str, str] = {
     "NCCL_LL_THRESHOLD": "removed in NCCL 2.5; use NCCL_PROTO to pick a protocol",
