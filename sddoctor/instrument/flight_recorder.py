@@ -23,8 +23,13 @@ PIPE_PREFIX = "nccl_pipe_rank_"
 
 
 def recorder_environment(run_dir: str | os.PathLike[str], buffer_size: int = 2000) -> dict[str, str]:
-    """The variables that switch the recorder on, with dumps and pipes under RUN_DIR/stacks/."""
+    """The variables that switch the recorder on, with dumps and pipes under RUN_DIR/stacks/.
+
+    Creates RUN_DIR/stacks/: ProcessGroupNCCL's watchdog aborts the whole rank process (SIGABRT)
+    when the pipe's directory does not exist, so the folder must be there before any rank starts.
+    """
     stacks = Path(run_dir) / "stacks"
+    stacks.mkdir(parents=True, exist_ok=True)
     return {
         TRACE_BUFFER_ENV: str(buffer_size),
         DUMP_FILE_ENV: str(stacks / TRACE_PREFIX),
