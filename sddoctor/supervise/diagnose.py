@@ -60,6 +60,7 @@ def diagnose(state: RunState) -> list[Verdict]:
         ]
     if state.hung:
         verdicts += diagnose_hang(state)
+    verdicts += diagnose_replicas(state)
     verdicts += diagnose_straggler(state)
     order = {kind: i for i, kind in enumerate(VERDICT_KINDS)}
     severity = {"error": 0, "warning": 1, "info": 2}
@@ -693,6 +694,53 @@ def _pick_culprit(
     if require_evidence and len(suspects) > 1:
         return None
     return min(suspects) if suspects else None
+
+
+# -- replicas ---------------------------------------------------------------------------------
+
+
+def diagnose_replicas(state: RunState) -> list[Verdict]:
+    """DDP replicas that no longer hold the same weights: the trainer's `replicas` digests differ
+    at one step, or a rank reported `replicas_differ`. Training silently diverged."""
+    by_step: dict[int, dict[int, str]] = {}
+    for rank in state.ranks.values():
+        for ev in rank.replicas:
+            if isinstance(ev.get("step"), int) and isinstance(ev.get("params_sha256"), str):
+                by_step.setdefault(ev["step"], {})[rank.rank] = ev["params_sha256"]
+    warned = [
+        (r.rank, w) for r in state.ranks.values() for w in r.warnings if w.get("code") == "replicas_differ"
+    ]
+    differing = {step: d for step, d in by_step.items() if len(set(d.values())) > 1}
+    if not differing and not warned:
+        return []
+    culprit: int | None = None
+    evidence: list[str] = []
+    details: dict[str, Any] = {}
+    if differing:
+        step = max(differing)
+        digests = differing[step]
+        groups: dict[str, list[int]] = {}
+        for r, digest in sorted(digests.items()):
+            groups.setdefault(digest, []).append(r)
+        # With three or more ranks a lone rank against an agreeing majority is the odd one out.
+        sizes = sorted(len(g) for g in groups.values())
+        if len(groups) == 2 and sizes == [1, max(sizes)] and max(sizes) > 1:
+            culprit = min(groups.values(), key=len)[0]
+        details = {"step": step, "digests": {str(r): d for r, d in sorted(digests.items())}}
+        evidence += [f"ranks {_join(g)}: params_sha256 {d[:16]}..." for d, g in groups.items()]
+        summary = f"the ranks' weights differ after step {step}: the DDP replicas diverged"
+    else:
+        rank_id, w = warned[0]
+        summary = f"rank {rank_id} reports that the ranks' weights differ: the DDP replicas diverged"
+        details = {"message": w.get("message")}
+    evidence += [f"rank {r}: warning replicas_differ: {w.get('message')}" for r, w in warned[:2]]
+    evidence.append(
+        "DDP keeps replicas equal only if every rank starts from the same weights and applies the same "
+        "averaged gradients: look for rank-dependent code touching parameters (init without a shared seed, "
+        "a rank-conditional update, a buffer updated outside forward) or a broken interconnect "
+        "(sddoctor check-nccl checks the result of its all-reduce)"
+    )
+    return [Verdict("replicas.differ", "error", summary, culprit, None, details, evidence)]
 
 
 # -- straggler --------------------------------------------------------------------------------
