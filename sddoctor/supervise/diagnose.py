@@ -779,6 +779,13 @@ def rank_timing(rank: RankState, since: float | None = None) -> dict[str, float]
 def totals_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
     """Per collective, from the tracer's cumulative totals (count, seconds inside): exact means."""
     samples = [s for s in rank.totals_samples if since is None or s[0] >= since]
+    # Idle stretches before the first and after the last collective (a trainer building its model,
+    # saving at the end) are not time between collectives: keep from the last sample before the
+    # count first moves to the first sample after it last moved.
+    while len(samples) >= 2 and samples[1][1] == samples[0][1]:
+        samples.pop(0)
+    while len(samples) >= 2 and samples[-2][1] == samples[-1][1]:
+        samples.pop()
     if len(samples) < 3:
         return None
     (t0, n0, sec0), (t1, n1, sec1) = samples[0], samples[-1]
