@@ -5,10 +5,11 @@
 # samples/latest.png, export/). About 2-3 minutes on 2 CPU cores.
 # Extra arguments go to the trainer, e.g. scripts/demo.sh --set train.max_steps=100
 # To see a diagnosis, inject a fault: SDDOCTOR_FAULT='kill:rank=1,step=50' scripts/demo.sh
+# SETUP=0 skips the install step (already installed, or running from a checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-bash scripts/setup.sh
+[ "${SETUP:-1}" = 0 ] || bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 run_dir="sddoctor-runs/demo-$(date +%Y%m%d-%H%M%S)"
 status=0
