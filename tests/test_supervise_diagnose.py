@@ -487,7 +487,9 @@ def test_straggler_from_tracer_totals() -> None:
 def _replicas(r: int, digest: str, warn: bool = False) -> RankState:
     state = rank(r, step=8, replicas=[{"kind": "replicas", "step": 8, "params_sha256": digest}])
     if warn:
-        state.warnings.append({"kind": "warning", "code": "replicas_differ", "message": "UNet weights differ"})
+        state.warnings.append(
+            {"kind": "warning", "code": "replicas_differ", "message": "UNet weights differ"}
+        )
     return state
 
 

@@ -167,7 +167,7 @@ def test_report_on_the_trainers_own_run_dir(runs):
         timeout=60,
     )
     assert report.returncode == 0, report.stdout + report.stderr
-    assert "no problem found" in report.stdout
+    assert "no problem found" in report.stdout and "diagnosed from the run directory" in report.stdout
     as_json = subprocess.run(
         [sys.executable, "-m", "sddoctor", "report", "--json", str(out)],
         env=subprocess_env(),

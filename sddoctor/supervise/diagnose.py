@@ -844,7 +844,9 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
     other_compute = median(t["compute"] for t in others)
     other_wait = median(t["inside"] for t in others)
     mine = timings[slow]
-    ratio = mine["compute"] / max(other_compute, 1e-3)
+    # Below 10 ms the others' compute is within the measurement's edge effects (a wait that began
+    # before the window counts whole): the floor keeps the ratio meaningful.
+    ratio = mine["compute"] / max(other_compute, 0.01)
     # Absolute floors keep a healthy job of tiny collectives (noise of a few ms) out.
     if ratio < state.straggler_ratio or mine["compute"] - other_compute < 0.05 or other_wait < 0.05:
         return []
@@ -859,9 +861,14 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
             if a.caller and a.enqueue >= since:
                 callers[a.caller] = callers.get(a.caller, 0) + 1
     location = max(callers, key=lambda c: callers[c]) if callers else _where(rank)[0]
+    others_text = (
+        f"{ratio:.1f}x the others ({other_compute:.3f} s)"
+        if other_compute >= 0.01
+        else "while the others compute almost nothing in between"
+    )
     summary = (
-        f"straggler: rank {slow} computes {mine['compute']:.3f} s between collectives, {ratio:.1f}x the others "
-        f"({other_compute:.3f} s); they wait {other_wait:.3f} s per collective for it"
+        f"straggler: rank {slow} computes {mine['compute']:.3f} s between collectives, {others_text}; "
+        f"they wait {other_wait:.3f} s per collective for it"
     )
     evidence = [
         f"rank {r}: period {t['period']:.3f} s, inside collectives {t['inside']:.3f} s, compute {t['compute']:.3f} s"

@@ -89,11 +89,10 @@ def headline(report: dict[str, Any]) -> str:
     code = report.get("exit_code")
     if outcome == "preflight_failed":
         return f"sddoctor: the preflight failed (exit code {code}); the job was not launched"
+    how = f"exit code {code}" if code is not None else "diagnosed from the run directory's files"
     if not verdicts:
-        return f"sddoctor: {outcome} (exit code {code}); no problem found"
-    return (
-        f"sddoctor: {outcome} (exit code {code}); {len(verdicts)} finding{'s' if len(verdicts) > 1 else ''}"
-    )
+        return f"sddoctor: {outcome} ({how}); no problem found"
+    return f"sddoctor: {outcome} ({how}); {len(verdicts)} finding{'s' if len(verdicts) > 1 else ''}"
 
 
 def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
@@ -111,7 +110,9 @@ def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
     if problem:
         lines.append(f"  stacks: {problem}")
     lines += _preflight_lines(report)
-    if run_dir:
+    if run_dir and report.get("diagnosed_offline"):
+        lines.append(f"  full report: sddoctor report --markdown {run_dir} (--json for machines)")
+    elif run_dir:
         lines.append(f"  report: {run_dir}/report.md (report.json for machines)")
     return "\n".join(lines)
 
