@@ -479,3 +479,37 @@ def test_straggler_from_tracer_totals() -> None:
     state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW)
     (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
     assert v.culprit_rank == 1 and v.details["timings"]["0"]["inside"] == pytest.approx(0.25)
+
+
+# -- replicas ---------------------------------------------------------------------------------
+
+
+def _replicas(r: int, digest: str, warn: bool = False) -> RankState:
+    state = rank(r, step=8, replicas=[{"kind": "replicas", "step": 8, "params_sha256": digest}])
+    if warn:
+        state.warnings.append(
+            {"kind": "warning", "code": "replicas_differ", "message": "UNet weights differ"}
+        )
+    return state
+
+
+def _ended(*ranks: RankState) -> RunState:
+    return RunState(now=NOW, started=900.0, ranks={r.rank: r for r in ranks}, world_size=len(ranks))
+
+
+@pytest.mark.parametrize(
+    "ranks, culprit",
+    [
+        ((_replicas(0, "a" * 64), _replicas(1, "b" * 64, warn=True)), None),  # two ranks: who is right?
+        ((_replicas(0, "a" * 64), _replicas(1, "a" * 64), _replicas(2, "c" * 64)), 2),  # the odd one out
+        ((rank(0, step=8), _replicas(1, "a" * 64, warn=True)), None),  # only the warning survived
+    ],
+)
+def test_diverged_replicas_are_an_error(ranks, culprit):
+    (v,) = diagnose(_ended(*ranks))
+    assert (v.kind, v.severity, v.culprit_rank) == ("replicas.differ", "error", culprit)
+    assert "diverged" in v.summary
+
+
+def test_equal_replicas_are_no_verdict():
+    assert diagnose(_ended(_replicas(0, "a" * 64), _replicas(1, "a" * 64))) == []

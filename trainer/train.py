@@ -159,7 +159,40 @@ def _quiet_libraries() -> None:
 
 
 def preflight_warnings() -> None:
-    """Environment checks before the process group starts (NCCL variables, /dev/shm, ...). None yet."""
+    """`sddoctor check-nccl`'s environment checks (NCCL variables, /dev/shm, limits, GPUs, ...) before
+    the process group starts: warn/fail findings are printed and, when a telemetry session is active
+    (under `sddoctor run`), recorded as `warning` events. Local rank 0 only, checks only (no
+    collective test: it would compete with the job), never raises. SDDOCTOR_PREFLIGHT=0 skips it.
+    """
+    if os.environ.get("SDDOCTOR_PREFLIGHT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        from sddoctor.preflight import format_findings, run_preflight
+
+        t0 = time.perf_counter()
+        findings = [f for f in run_preflight(quick=True) if f.severity in ("warn", "fail")]
+        if not findings:
+            return
+        print(
+            f"preflight: {len(findings)} finding(s) ({time.perf_counter() - t0:.1f}s; "
+            "`sddoctor check-nccl` for the full check, SDDOCTOR_PREFLIGHT=0 to skip)",
+            file=sys.stderr,
+        )
+        print(format_findings(findings, min_severity="warn"), file=sys.stderr, flush=True)
+        if sdi.active() is not None:
+            for f in findings:
+                sdi.event(
+                    EventKind.WARNING,
+                    code=f.id,
+                    message=f.title,
+                    severity=f.severity,
+                    remedy=f.remedy,
+                    source="preflight",
+                )
+    except Exception as exc:  # noqa: BLE001 - a preflight must never stop training
+        print(f"preflight: skipped ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
 
 
 # -- the process group ----------------------------------------------------------------------

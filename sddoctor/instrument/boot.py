@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from sddoctor.instrument.flight_recorder import recorder_environment
+from sddoctor.instrument.flight_recorder import FR_BUFFER_ENV, TRACE_BUFFER_ENV, recorder_environment
 from sddoctor.telemetry.layout import RUN_DIR_ENV
 
 #: set by an enabled rank to its pid; children that inherit it are not ranks
@@ -57,6 +57,10 @@ def rank_environment(
     }
     for key, value in recorder_environment(Path(run_dir).resolve()).items():
         out[key] = env.get(key) or value
+    # One buffer size under both names: a user's value under either wins over our default.
+    user_size = env.get(FR_BUFFER_ENV) or env.get(TRACE_BUFFER_ENV)
+    if user_size:
+        out[FR_BUFFER_ENV] = out[TRACE_BUFFER_ENV] = user_size
     return out
 
 

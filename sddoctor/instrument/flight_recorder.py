@@ -1,9 +1,11 @@
 """PyTorch's NCCL flight recorder: switched on through the environment, dumped through a pipe.
 
-The recorder keeps the last TORCH_NCCL_TRACE_BUFFER_SIZE collectives of every NCCL process
-group. With TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, each rank's watchdog creates a FIFO named
-`<prefix><rank>.pipe` (`<prefix><rank>` in some builds); writing to it makes that rank dump its buffer (a pickle) to
-`<TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>`. These variables must be in the environment before
+The recorder keeps the last N collectives of every NCCL process group. N comes from
+TORCH_FR_BUFFER_SIZE (torch 2.13 names it so and warns that the older TORCH_NCCL_TRACE_BUFFER_SIZE
+is deprecated) or TORCH_NCCL_TRACE_BUFFER_SIZE (the only name older builds such as 2.11 know, and
+the one the dump pipe is sized from), so both are set. With TORCH_NCCL_DEBUG_INFO_PIPE_FILE set,
+each rank's watchdog creates a FIFO named `<prefix><rank>.pipe` (torch's DumpPipe); writing to it
+makes that rank dump its buffer (a pickle) to `<TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>`. These variables must be in the environment before
 the process group is created, so `sddoctor run` puts them into the job's environment
 (`sddoctor.instrument.boot.rank_environment`). gloo has no flight recorder worth reading
 (entries stay "scheduled"), so dumping is a no-op there.
@@ -16,6 +18,7 @@ import os
 from pathlib import Path
 
 TRACE_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 TRACE_PREFIX = "nccl_trace_rank_"
@@ -31,6 +34,7 @@ def recorder_environment(run_dir: str | os.PathLike[str], buffer_size: int = 200
     stacks = Path(run_dir) / "stacks"
     stacks.mkdir(parents=True, exist_ok=True)
     return {
+        FR_BUFFER_ENV: str(buffer_size),
         TRACE_BUFFER_ENV: str(buffer_size),
         DUMP_FILE_ENV: str(stacks / TRACE_PREFIX),
         PIPE_FILE_ENV: str(stacks / PIPE_PREFIX),
@@ -43,21 +47,24 @@ def trigger_dump(pipe_prefix: str | os.PathLike[str], rank: int) -> bool:
     Usable from any process (the supervisor included). False when there is no pipe or nobody
     reads it (not NCCL, recorder off, rank gone).
     """
-    for path in (f"{pipe_prefix}{rank}.pipe", f"{pipe_prefix}{rank}"):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            if exc.errno in (errno.ENXIO, errno.ENOENT, errno.EACCES, errno.ENOTDIR):
-                continue  # no pipe, or nobody reads it
-            raise
-        try:
-            os.write(fd, b"1\n")
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-    return False
+    try:
+        fd = os.open(pipe_path(pipe_prefix, rank), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.ENOENT, errno.EACCES, errno.ENOTDIR):
+            return False  # no pipe, or nobody reads it
+        raise
+    try:
+        os.write(fd, b"1\n")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def pipe_path(pipe_prefix: str | os.PathLike[str], rank: int) -> str:
+    """The FIFO torch's DumpPipe creates for `rank`: `<prefix><rank>.pipe`."""
+    return f"{pipe_prefix}{rank}.pipe"
 
 
 def dump_flight_recorder() -> bool:

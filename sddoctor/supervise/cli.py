@@ -18,6 +18,7 @@ examples:
   sddoctor run -- torchrun --nproc-per-node 4 train.py
   sddoctor run --hang-timeout 60 --on-hang kill -- torchrun --nproc-per-node 2 -m trainer --preset tiny
   sddoctor run -- accelerate launch --num_processes 2 train.py
+  sddoctor run --preflight -- torchrun --nproc-per-node 8 train.py    check NCCL/GPUs first
   SDDOCTOR_FAULT='skip:rank=1,seq=12' sddoctor run --hang-timeout 5 -- torchrun --nproc-per-node 2 train.py
   sddoctor run --port 8765 --peers node1:8765 -- torchrun --nnodes 2 --node-rank 0 ...
 
@@ -25,6 +26,7 @@ exit codes:
   0     the job succeeded
   N     the job's own exit code (128+S when the launcher died of signal S)
   2     usage error (bad option, no command, malformed SDDOCTOR_FAULT, unusable --run-dir)
+  3     --preflight found a `fail` and the job was not launched (--preflight-continue launches anyway)
   124   sddoctor killed the job because it hung (--on-hang kill)
   127   the launcher command was not found
   130   interrupted (Ctrl-C); 143 on SIGTERM
@@ -32,6 +34,10 @@ exit codes:
 The report (report.json, report.md) and stacks land in the run directory; `sddoctor report DIR`
 prints it again. Details and the report schema: docs/run.md.
 """
+
+#: `--preflight` found a `fail` and nothing was launched
+EXIT_PREFLIGHT_FAILED = 3
+PREFLIGHT_TIMEOUT = 30.0
 
 REPORT_EPILOG = """\
 examples:
@@ -41,7 +47,8 @@ examples:
 
 exit codes:
   0   report printed; no error-level finding
-  1   report printed; at least one error-level finding (hang, crash, OOM)
+  1   report printed; at least one error-level finding (hang, crash, OOM, diverged replicas), or
+      a `sddoctor run --preflight` that failed and launched nothing
   2   usage error: no such run directory, or nothing in it to diagnose
 """
 
@@ -118,6 +125,17 @@ def run_parser() -> argparse.ArgumentParser:
         default="",
         help="other nodes' supervisors, host:port,... (this node writes the job report)",
     )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run `sddoctor check-nccl --quick` (checks and a short collective test, 30 s limit) before "
+        "launching; a `fail` finding stops here (exit 3)",
+    )
+    p.add_argument(
+        "--preflight-continue",
+        action="store_true",
+        help="with --preflight: launch even when a finding is `fail`",
+    )
     p.add_argument("--native", action="store_true", help="include native frames in stack dumps (slower)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress lines; only the final summary")
@@ -167,6 +185,11 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     env, warning = launch.rank_env(run_dir.path)
     kind = launch.launcher_kind(command)
+    preflight_failed = False
+    if args.preflight:
+        preflight_failed = _preflight(run_dir, quiet=args.quiet)
+        # The ranks need not repeat the checks (the bundled trainer runs them at start otherwise).
+        env["SDDOCTOR_PREFLIGHT"] = "0"
     info: dict[str, Any] = run_dir.write_run_info(
         command=command,
         started=time.time(),
@@ -183,6 +206,8 @@ def main(argv: list[str]) -> int:
             "straggler_ratio": args.straggler_ratio,
         },
     )
+    if preflight_failed and not args.preflight_continue:
+        return _stop_for_preflight(run_dir, info, as_json=args.json)
     opts = Options(
         command=command,
         run_dir=run_dir,
@@ -208,6 +233,65 @@ def main(argv: list[str]) -> int:
         return EXIT_NOT_FOUND
     _print_result(report, run_dir, as_json=args.json)
     return code
+
+
+def _preflight(run_dir: RunDir, *, quiet: bool) -> bool:
+    """`check-nccl --quick` before the launch: print the findings, save RUN_DIR/preflight.json.
+    True when a finding is `fail`."""
+    from sddoctor.preflight import format_findings, run_preflight
+    from sddoctor.preflight.findings import worst_severity
+    from sddoctor.supervise.report import PREFLIGHT_FILE
+
+    if not quiet:
+        print("[sddoctor] preflight: checks and a short collective test (at most 30 s) ...", file=sys.stderr)
+    t0 = time.time()
+    findings = run_preflight(quick=True, collective=True, timeout=PREFLIGHT_TIMEOUT)
+    worst = worst_severity(findings)
+    record = {
+        "v": 1,
+        "t": t0,
+        "seconds": round(time.time() - t0, 2),
+        "worst": worst,
+        "findings": [f.to_dict() for f in findings],
+    }
+    (run_dir.path / PREFLIGHT_FILE).write_text(json.dumps(record, indent=2))
+    shown = [f for f in findings if f.severity in ("warn", "fail")]
+    if shown:
+        print(format_findings(shown, min_severity="warn"), file=sys.stderr)
+    if not quiet or shown:
+        print(
+            f"[sddoctor] preflight: {worst} ({len(findings)} checks, {record['seconds']} s); "
+            f"details in {run_dir.path / PREFLIGHT_FILE}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return worst == "fail"
+
+
+def _stop_for_preflight(run_dir: RunDir, info: dict[str, Any], *, as_json: bool) -> int:
+    """Write a report that says why nothing was launched; exit EXIT_PREFLIGHT_FAILED."""
+    from sddoctor.supervise.report import attach_preflight, write_report
+
+    report: dict[str, Any] = {
+        "schema": "sddoctor.report",
+        "version": 1,
+        "generated": time.time(),
+        "run": info,
+        "outcome": "preflight_failed",
+        "exit_code": EXIT_PREFLIGHT_FAILED,
+        "job_exit_code": None,
+        "verdicts": [],
+        "ranks": {},
+    }
+    attach_preflight(report, run_dir)
+    write_report(run_dir, report)
+    print(
+        "sddoctor run: the preflight found a failure (above); the job was not launched. Fix it, or "
+        "launch anyway with --preflight-continue.",
+        file=sys.stderr,
+    )
+    _print_result(report, run_dir, as_json=as_json)
+    return EXIT_PREFLIGHT_FAILED
 
 
 def _print_result(report: dict[str, Any], run_dir: RunDir, *, as_json: bool) -> None:
@@ -280,4 +364,4 @@ def report_main(argv: list[str]) -> int:
     else:
         print(render_summary(report, str(run_dir.path)))
     errors = [v for v in report.get("verdicts") or [] if v.get("severity") == "error"]
-    return 1 if errors else 0
+    return 1 if errors or report.get("outcome") == "preflight_failed" else 0

@@ -60,6 +60,7 @@ def diagnose(state: RunState) -> list[Verdict]:
         ]
     if state.hung:
         verdicts += diagnose_hang(state)
+    verdicts += diagnose_replicas(state)
     verdicts += diagnose_straggler(state)
     order = {kind: i for i, kind in enumerate(VERDICT_KINDS)}
     severity = {"error": 0, "warning": 1, "info": 2}
@@ -695,6 +696,53 @@ def _pick_culprit(
     return min(suspects) if suspects else None
 
 
+# -- replicas ---------------------------------------------------------------------------------
+
+
+def diagnose_replicas(state: RunState) -> list[Verdict]:
+    """DDP replicas that no longer hold the same weights: the trainer's `replicas` digests differ
+    at one step, or a rank reported `replicas_differ`. Training silently diverged."""
+    by_step: dict[int, dict[int, str]] = {}
+    for rank in state.ranks.values():
+        for ev in rank.replicas:
+            if isinstance(ev.get("step"), int) and isinstance(ev.get("params_sha256"), str):
+                by_step.setdefault(ev["step"], {})[rank.rank] = ev["params_sha256"]
+    warned = [
+        (r.rank, w) for r in state.ranks.values() for w in r.warnings if w.get("code") == "replicas_differ"
+    ]
+    differing = {step: d for step, d in by_step.items() if len(set(d.values())) > 1}
+    if not differing and not warned:
+        return []
+    culprit: int | None = None
+    evidence: list[str] = []
+    details: dict[str, Any] = {}
+    if differing:
+        step = max(differing)
+        digests = differing[step]
+        groups: dict[str, list[int]] = {}
+        for r, digest in sorted(digests.items()):
+            groups.setdefault(digest, []).append(r)
+        # With three or more ranks a lone rank against an agreeing majority is the odd one out.
+        sizes = sorted(len(g) for g in groups.values())
+        if len(groups) == 2 and sizes == [1, max(sizes)] and max(sizes) > 1:
+            culprit = min(groups.values(), key=len)[0]
+        details = {"step": step, "digests": {str(r): d for r, d in sorted(digests.items())}}
+        evidence += [f"ranks {_join(g)}: params_sha256 {d[:16]}..." for d, g in groups.items()]
+        summary = f"the ranks' weights differ after step {step}: the DDP replicas diverged"
+    else:
+        rank_id, w = warned[0]
+        summary = f"rank {rank_id} reports that the ranks' weights differ: the DDP replicas diverged"
+        details = {"message": w.get("message")}
+    evidence += [f"rank {r}: warning replicas_differ: {w.get('message')}" for r, w in warned[:2]]
+    evidence.append(
+        "DDP keeps replicas equal only if every rank starts from the same weights and applies the same "
+        "averaged gradients: look for rank-dependent code touching parameters (init without a shared seed, "
+        "a rank-conditional update, a buffer updated outside forward) or a broken interconnect "
+        "(sddoctor check-nccl checks the result of its all-reduce)"
+    )
+    return [Verdict("replicas.differ", "error", summary, culprit, None, details, evidence)]
+
+
 # -- straggler --------------------------------------------------------------------------------
 
 
@@ -731,6 +779,13 @@ def rank_timing(rank: RankState, since: float | None = None) -> dict[str, float]
 def totals_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
     """Per collective, from the tracer's cumulative totals (count, seconds inside): exact means."""
     samples = [s for s in rank.totals_samples if since is None or s[0] >= since]
+    # Idle stretches before the first and after the last collective (a trainer building its model,
+    # saving at the end) are not time between collectives: keep from the last sample before the
+    # count first moves to the first sample after it last moved.
+    while len(samples) >= 2 and samples[1][1] == samples[0][1]:
+        samples.pop(0)
+    while len(samples) >= 2 and samples[-2][1] == samples[-1][1]:
+        samples.pop()
     if len(samples) < 3:
         return None
     (t0, n0, sec0), (t1, n1, sec1) = samples[0], samples[-1]
@@ -789,7 +844,9 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
     other_compute = median(t["compute"] for t in others)
     other_wait = median(t["inside"] for t in others)
     mine = timings[slow]
-    ratio = mine["compute"] / max(other_compute, 1e-3)
+    # Below 10 ms the others' compute is within the measurement's edge effects (a wait that began
+    # before the window counts whole): the floor keeps the ratio meaningful.
+    ratio = mine["compute"] / max(other_compute, 0.01)
     # Absolute floors keep a healthy job of tiny collectives (noise of a few ms) out.
     if ratio < state.straggler_ratio or mine["compute"] - other_compute < 0.05 or other_wait < 0.05:
         return []
@@ -804,9 +861,14 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
             if a.caller and a.enqueue >= since:
                 callers[a.caller] = callers.get(a.caller, 0) + 1
     location = max(callers, key=lambda c: callers[c]) if callers else _where(rank)[0]
+    others_text = (
+        f"{ratio:.1f}x the others ({other_compute:.3f} s)"
+        if other_compute >= 0.01
+        else "while the others compute almost nothing in between"
+    )
     summary = (
-        f"straggler: rank {slow} computes {mine['compute']:.3f} s between collectives, {ratio:.1f}x the others "
-        f"({other_compute:.3f} s); they wait {other_wait:.3f} s per collective for it"
+        f"straggler: rank {slow} computes {mine['compute']:.3f} s between collectives, {others_text}; "
+        f"they wait {other_wait:.3f} s per collective for it"
     )
     evidence = [
         f"rank {r}: period {t['period']:.3f} s, inside collectives {t['inside']:.3f} s, compute {t['compute']:.3f} s"

@@ -1,6 +1,6 @@
 """PyTorch's NCCL flight recorder: ask every rank for a dump on a hang and summarize it.
 
-With `TORCH_NCCL_TRACE_BUFFER_SIZE` set, each NCCL rank keeps its last collectives in a ring
+With `TORCH_FR_BUFFER_SIZE` / `TORCH_NCCL_TRACE_BUFFER_SIZE` set, each NCCL rank keeps its last collectives in a ring
 buffer. Writing to the pipe `TORCH_NCCL_DEBUG_INFO_PIPE_FILE<rank>.pipe` makes the rank write
 the buffer to `TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>` (a pickle). The rank environment of
 `sddoctor run` points both into the run directory. Gloo has no flight recorder.
@@ -8,11 +8,12 @@ the buffer to `TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>` (a pickle). The rank envir
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 from pathlib import Path
 from typing import Any
+
+from sddoctor.instrument.flight_recorder import trigger_dump
 
 PIPE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 DUMP_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
@@ -25,23 +26,8 @@ def trigger(env: dict[str, str], ranks: list[int]) -> list[int]:
         return []
     asked = []
     for rank in ranks:
-        # torch names the FIFO <prefix><rank>.pipe; older builds used <prefix><rank>.
-        fd = None
-        for pipe in (f"{prefix}{rank}.pipe", f"{prefix}{rank}"):
-            try:
-                fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
-                break
-            except OSError:
-                continue  # no reader (not NCCL, or the rank never created it)
-        if fd is None:
-            continue
-        try:
-            os.write(fd, b"1\n")
+        if trigger_dump(prefix, rank):  # no reader: not NCCL, or the rank never created the pipe
             asked.append(rank)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
     return asked
 
 

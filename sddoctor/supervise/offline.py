@@ -9,7 +9,7 @@ from typing import Any
 import psutil
 
 from sddoctor.supervise.diagnose import diagnose
-from sddoctor.supervise.report import build_report
+from sddoctor.supervise.report import attach_preflight, build_report
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir
 
@@ -51,4 +51,5 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
     outcome = ("failed" if failed else "ok") if ended else ("hang" if state.hung else "running")
     report = build_report(state, verdicts, run_info=info, outcome=outcome, exit_code=None, job_exit_code=None)
     report["diagnosed_offline"] = True
+    attach_preflight(report, run_dir)
     return report

@@ -7,11 +7,13 @@ import time
 from typing import Any
 
 from sddoctor.supervise.state import RankState, RunState, Verdict
-from sddoctor.telemetry import RunDir
+from sddoctor.telemetry import RunDir, read_json
 from sddoctor.telemetry.layout import atomic_write_text
 
 REPORT_SCHEMA = "sddoctor.report"
 REPORT_VERSION = 1
+#: findings of `sddoctor run --preflight`, in the run directory
+PREFLIGHT_FILE = "preflight.json"
 
 
 def rank_summary(rank: RankState) -> dict[str, Any]:
@@ -69,6 +71,13 @@ def build_report(
     }
 
 
+def attach_preflight(report: dict[str, Any], run_dir: RunDir) -> None:
+    """Copy RUN_DIR/preflight.json (written by `sddoctor run --preflight`) into the report."""
+    data = read_json(run_dir.path / PREFLIGHT_FILE)
+    if isinstance(data, dict):
+        report["preflight"] = data
+
+
 def write_report(run_dir: RunDir, report: dict[str, Any]) -> None:
     atomic_write_text(run_dir.report_json, json.dumps(report, indent=2, default=str))
     atomic_write_text(run_dir.report_md, render_markdown(report))
@@ -78,11 +87,12 @@ def headline(report: dict[str, Any]) -> str:
     verdicts = report.get("verdicts") or []
     outcome = report.get("outcome", "?")
     code = report.get("exit_code")
+    if outcome == "preflight_failed":
+        return f"sddoctor: the preflight failed (exit code {code}); the job was not launched"
+    how = f"exit code {code}" if code is not None else "diagnosed from the run directory's files"
     if not verdicts:
-        return f"sddoctor: {outcome} (exit code {code}); no problem found"
-    return (
-        f"sddoctor: {outcome} (exit code {code}); {len(verdicts)} finding{'s' if len(verdicts) > 1 else ''}"
-    )
+        return f"sddoctor: {outcome} ({how}); no problem found"
+    return f"sddoctor: {outcome} ({how}); {len(verdicts)} finding{'s' if len(verdicts) > 1 else ''}"
 
 
 def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
@@ -99,7 +109,10 @@ def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
     problem = (report.get("stacks") or {}).get("problem")
     if problem:
         lines.append(f"  stacks: {problem}")
-    if run_dir:
+    lines += _preflight_lines(report)
+    if run_dir and report.get("diagnosed_offline"):
+        lines.append(f"  full report: sddoctor report --markdown {run_dir} (--json for machines)")
+    elif run_dir:
         lines.append(f"  report: {run_dir}/report.md (report.json for machines)")
     return "\n".join(lines)
 
@@ -154,6 +167,22 @@ def render_markdown(report: dict[str, Any]) -> str:
     problem = (report.get("stacks") or {}).get("problem")
     if problem:
         out += ["", f"Stacks: {problem}"]
+    preflight = report.get("preflight")
+    if isinstance(preflight, dict):
+        out += [
+            "",
+            "## Preflight",
+            "",
+            f"Worst: **{preflight.get('worst')}** ({preflight.get('seconds')} s).",
+            "",
+        ]
+        out += ["| severity | id | finding | remedy |", "|---|---|---|---|"]
+        for f in preflight.get("findings") or []:
+            if isinstance(f, dict):
+                cells = [
+                    str(f.get(k) or "").replace("|", "\\|") for k in ("severity", "id", "title", "remedy")
+                ]
+                out.append("| " + " | ".join(cells) + " |")
     tail = (report.get("launcher") or {}).get("stderr_tail") or []
     if tail:
         out += ["", "## Launcher stderr (last lines)", "", "```", *tail[-30:], "```"]
@@ -168,3 +197,17 @@ def _exit_text(exit_info: Any) -> str:
     if exit_info.get("code") is None:
         return "gone" if exit_info.get("unclean") or exit_info.get("t") else ""
     return f"code {exit_info.get('code')}"
+
+
+def _preflight_lines(report: dict[str, Any]) -> list[str]:
+    preflight = report.get("preflight")
+    if not isinstance(preflight, dict):
+        return []
+    bad = [
+        f
+        for f in preflight.get("findings") or []
+        if isinstance(f, dict) and f.get("severity") in ("warn", "fail")
+    ]
+    if not bad:
+        return [f"  preflight: {preflight.get('worst')}, nothing to fix"]
+    return [f"  preflight: {f.get('severity')} {f.get('id')}: {f.get('title')}" for f in bad]

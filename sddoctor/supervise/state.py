@@ -19,6 +19,7 @@ VERDICT_KINDS = (
     "hang.dataloader",
     "hang.comm",
     "hang.unknown",
+    "replicas.differ",
     "straggler",
     "oom.recovered",
 )
@@ -79,6 +80,9 @@ class RankState:
     ooms: list[dict[str, Any]] = field(default_factory=list)
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)  # injected faults that fired
+    #: `warning` events (code, message) and `replicas` events (step, params_sha256), in order
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    replicas: list[dict[str, Any]] = field(default_factory=list)
     #: py-spy result: {"ok": bool, "top_user_frame": "file:line", "frames": [...], "error": str}
     stack: dict[str, Any] | None = None
     #: Per process group: sightings of collectives by seq (from snapshots; sparse).

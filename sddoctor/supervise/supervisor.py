@@ -16,7 +16,7 @@ from sddoctor.supervise import flightrec, stacks
 from sddoctor.supervise.diagnose import diagnose, rank_exit
 from sddoctor.supervise.http import StateServer
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
-from sddoctor.supervise.report import build_report, rank_summary, write_report
+from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
 from sddoctor.telemetry import RunDir
@@ -284,6 +284,7 @@ class Supervisor:
         # With --peers the report covers every node's ranks (node 0's is the job-wide one).
         report["scope"] = "job" if self.opts.peers else "node"
         report["peers"] = {peer: peer in self.remote for peer in self.opts.peers}
+        attach_preflight(report, self.opts.run_dir)
         write_report(self.opts.run_dir, report)
         return report
 

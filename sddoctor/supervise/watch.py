@@ -14,7 +14,7 @@ from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json
 
 #: Event kinds the diagnosis keeps (steps and summaries are only counted).
-_KEPT = {"exception", "oom", "fallback", "fault", "exit", "start"}
+_KEPT = {"exception", "oom", "fallback", "fault", "exit", "start", "warning", "replicas"}
 _MAX_SIGHTINGS = 600  # per rank and pg: enough for a few minutes of straggler statistics
 
 
@@ -90,6 +90,12 @@ class Watcher:
             rank.fallbacks.append(event)
         elif kind == "fault":
             rank.faults.append(event)
+        elif kind == "warning":
+            rank.warnings.append(event)
+            del rank.warnings[:-50]
+        elif kind == "replicas":
+            rank.replicas.append(event)
+            del rank.replicas[:-10]
         elif kind == "exit":
             status = event.get("status")
             code = event.get("code")

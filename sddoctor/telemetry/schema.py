@@ -19,23 +19,38 @@ class EventKind(str, Enum):
     START = "start"
     """pid, host, local_rank, world_size, device, backend, argv, python, torch."""
     STEP = "step"
-    """step, loss, samples, step_time, micro_batch, grad_accum, mem_alloc, mem_peak (bytes), lr."""
+    """step, loss, samples, step_time, micro_batch, grad_accum, mem_alloc, mem_peak (bytes), lr,
+    images_per_s (the trainer: global images per second of this step)."""
     COLLECTIVE = "collective"
     """Periodic summary: pg, count, seconds, last_seq, ddp_buckets, ddp_bucket_seconds, wait_seconds."""
     OOM = "oom"
     """step, phase (forward|backward|optimizer|probe), micro_batch, grad_accum, mem_alloc, mem_reserved, mem_total, message."""
     FALLBACK = "fallback"
-    """step, old_micro_batch, new_micro_batch, old_grad_accum, new_grad_accum, reason, gradient_checkpointing."""
+    """step, old_micro_batch, new_micro_batch, old_grad_accum, new_grad_accum, reason, gradient_checkpointing,
+    failed_ranks (ranks that ran out of memory), step_applied (whether the failed step was redone)."""
     WARNING = "warning"
-    """code, message (e.g. a skipped corrupt image, an NCCL preflight warning)."""
+    """code, message. Codes: see WARNING_CODES; a preflight finding uses its finding id as code."""
     FAULT = "fault"
     """An injected fault fired: fault (its spec string), seq or step, caller."""
     CHECKPOINT = "checkpoint"
-    """step, path, seconds."""
+    """step, path, seconds, reason ("periodic"|"end"|"signal SIGTERM"...) when saved;
+    action "resume" (and no seconds) when a run resumed from `path`."""
     EXCEPTION = "exception"
     """type, message, traceback (list of "file:line in func"), caller."""
     EXIT = "exit"
     """status (ok|error|signal), code, step."""
+    REPLICAS = "replicas"
+    """step, params_sha256: a digest of the trained weights at the end of training; equal on every rank
+    under DDP (the trainer compares them and warns `replicas_differ` when they are not)."""
 
     def __str__(self) -> str:  # json.dumps of a str-Enum already writes the value
         return self.value
+
+
+#: `code` values of `warning` events that sddoctor itself emits (other code may add its own).
+WARNING_CODES: dict[str, str] = {
+    "bad_input": "the trainer stopped on bad user input (config, data or model folder, --resume); message says what",
+    "skipped_images": "the trainer skipped unreadable images in the data folder; message gives the count",
+    "replicas_differ": "the ranks' weights differ after training: DDP replicas diverged (an error verdict)",
+    "<finding id>": "a preflight finding at trainer start (e.g. shm.size), with source='preflight', severity, remedy",
+}
