@@ -22,13 +22,18 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/trainer/gpu.txt"
 "$PY" -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/trainer/gpu.txt"
 
-# (a) tiny preset on digits, ~2.5 min: long enough to learn which digit a caption names.
-timeout -k 20 150 "$PY" -m trainer --output-dir runs/gpu-tiny --set \
-    train.max_steps=4000 train.micro_batch=128 train.log_every=250 train.ema_decay=0.999 \
-    model.vae_warmup_steps=1500 model.vae_warmup_batch=64 optim.lr=1e-3 optim.warmup_steps=200 \
-    sample.every=1000 sample.images_per_prompt=8 sample.steps=30 sample.guidance_scale=4.0 \
+# (a) tiny preset on digits, under `sddoctor run` on every local GPU (NCCL): long enough to learn
+#     which digit a caption names. The grid has one row per prompt ("a handwritten digit zero" ...).
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || echo 1)
+rm -rf runs/gpu-tiny
+timeout -k 20 "${TRAINER_TINY_SECONDS:-240}" "$PY" -m sddoctor run --run-dir runs/gpu-tiny --hang-timeout 120 -- \
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m trainer --set \
+    train.max_steps="${TRAINER_TINY_STEPS:-2500}" train.micro_batch=256 train.log_every=250 train.ema_decay=0.999 \
+    model.vae_warmup_steps=800 model.vae_warmup_batch=64 optim.lr=1e-3 optim.warmup_steps=200 \
+    sample.every=500 sample.images_per_prompt=8 sample.steps=30 sample.guidance_scale=4.0 \
     2>&1 | tee "$OUT/trainer/tiny.log"
 cp runs/gpu-tiny/samples/latest.png "$OUT/trainer/tiny-digits-grid.png" 2>/dev/null || echo "no tiny grid" >> "$OUT/trainer/summary.txt"
+cp runs/gpu-tiny/report.md "$OUT/trainer/tiny-report.md" 2>/dev/null
 
 if [ "${TRAINER_SD2:-1}" = 1 ]; then
 # (b) SD2-base architecture (random weights), 512 px, bf16 autocast, batch 8, 20 steps; the second
