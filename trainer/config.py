@@ -68,6 +68,11 @@ class TrainConfig:
     """Probability of training on the empty caption, which classifier-free guidance needs."""
     log_every: int = 10
     """Steps between loss read-backs (one host sync each) and progress lines."""
+    oom_guard: bool = True
+    """Recover from out-of-memory in flight: every rank lowers the micro-batch and raises
+    accumulation (same global batch) and redoes the step (sddoctor.instrument.oom_guard)."""
+    oom_fallback_checkpointing: bool = True
+    """When micro-batch 1 still runs out of memory, turn on gradient checkpointing before giving up."""
 
 
 @dataclass

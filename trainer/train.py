@@ -5,9 +5,11 @@
 
 Order of events: parse config -> process group -> telemetry -> models -> data -> (VAE fit for a
 model built from scratch) -> (latent cache) -> DDP -> optimizer -> (resume) -> loop -> export.
-Each optimizer step is `trainer.step.run_step`; everything random in a step is drawn for the
-whole batch from one generator per rank, which a checkpoint saves, so a resumed run repeats the
-uninterrupted one exactly on CPU.
+Each optimizer step goes through sddoctor's OOM guard (`train.oom_guard`, on by default): an
+out-of-memory on any rank lowers the micro-batch on every rank, raises accumulation to keep the
+global batch, and redoes the step; without the guard it is `trainer.step.run_step`. Everything
+random in a step is drawn for the whole batch from one generator per rank, which a checkpoint
+saves, so a resumed run repeats the uninterrupted one exactly on CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from sddoctor.instrument import api as sdi
+from sddoctor.instrument.oom_guard import OOMGuard, OOMGuardError
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
 from trainer.cache import build_cache
@@ -48,7 +51,7 @@ from trainer.objective import DiffusionObjective
 from trainer.optim import EMA, build_lr_scheduler, build_optimizer
 from trainer.progress import ProgressLine, StepReporter, memory_bytes
 from trainer.sample import ema_weights, sample_grid, save_grid
-from trainer.step import run_step
+from trainer.step import batch_size, run_step
 from trainer.vae_fit import fit_vae
 
 EXIT_OK = 0
@@ -73,7 +76,8 @@ output: ./runs/<output.name or preset>/ unless --output-dir (or $SDDOCTOR_RUN_DI
 
 exit codes:
   0    finished
-  1    training failed (exception; traceback printed, `exception` event written)
+  1    training failed (exception; traceback printed, `exception` event written), or out of
+       memory even at micro-batch 1 (the OOM guard's message names the memory and what to try)
   2    bad input: unknown preset or config key, wrong value type, bad TOML, missing model
        folder or data folder, unusable --resume target
   130  stopped by SIGINT, 143 by SIGTERM (after saving a checkpoint)
@@ -284,6 +288,11 @@ class Trainer:
             print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
             sdi.event(EventKind.WARNING, code="bad_input", message=str(exc))
             code = EXIT_BAD_INPUT
+        except OOMGuardError as exc:
+            # Raised on every rank alike: the guard's message is the diagnosis, a traceback adds nothing.
+            print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+            sdi.event(EventKind.EXCEPTION, type=type(exc).__name__, message=str(exc))
+            code = EXIT_FAILED
         except Exception as exc:
             tb = traceback.extract_tb(exc.__traceback__)
             sdi.event(
@@ -421,10 +430,9 @@ class Trainer:
             seed=cfg.train.seed,
         )
 
-        # DDP, optimizer, schedule, EMA, loss scaler.
+        # Optimizer, schedule, EMA, loss scaler; then the DDP wrapper (built by the OOM guard).
         unet.train()
         model = torch.compile(unet) if cfg.model.compile else unet
-        ddp_model = wrap(model)
         params = [p for p in unet.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg.optim, device)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -446,6 +454,46 @@ class Trainer:
                 set_rng_state(rank_state["rng"], generator)
             self.log(f"resumed from {resume_path} at step {step}")
             sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume_path), action="resume")
+
+        guard_state = (shared or {}).get("oom_guard")
+        # Gradient checkpointing that an earlier run's guard turned on stays on after a resume.
+        guard_turned_on_checkpointing = bool(
+            guard_state and guard_state.get("gradient_checkpointing") and not cfg.model.gradient_checkpointing
+        )
+        if guard_turned_on_checkpointing:
+            unet.enable_gradient_checkpointing()
+            self.log("gradient checkpointing on: the OOM guard had turned it on before the checkpoint")
+        guard = self.build_guard(
+            model, wrap, optimizer, [lr_scheduler, scaler, ema], guard_turned_on_checkpointing
+        )
+        micro_batch, grad_accum = cfg.train.micro_batch, cfg.train.grad_accum
+        if guard is not None:
+            if guard_state:
+                guard.load_state_dict({**guard_state, "gradient_checkpointing": False})
+            micro_batch, grad_accum = guard.micro_batch, guard.grad_accum
+            ddp_model = guard.model
+        else:
+            if guard_state and batch_per_step % int(guard_state["micro_batch"]) == 0:
+                micro_batch = min(micro_batch, int(guard_state["micro_batch"]))
+                grad_accum = batch_per_step // micro_batch
+            ddp_model = wrap(model)
+        if (micro_batch, grad_accum) != (cfg.train.micro_batch, cfg.train.grad_accum):
+            self.log(
+                f"micro-batch {micro_batch} x {grad_accum} accumulation, from the checkpoint "
+                f"(configured {cfg.train.micro_batch} x {cfg.train.grad_accum}, the OOM guard fell back)"
+            )
+
+        def guard_checkpoint_state() -> dict[str, Any] | None:
+            if guard is None:
+                return guard_state  # keep what an earlier guarded run learnt
+            state = guard.state_dict()
+            state["gradient_checkpointing"] = guard.gradient_checkpointing or guard_turned_on_checkpointing
+            return state
+
+        def settle() -> None:
+            """Finish the OOM guard's agreement on the last optimizer step (every rank) before reading the model."""
+            if guard is not None and guard.settle():
+                self.log_fallback(guard, step)
 
         objective = DiffusionObjective(cfg, models, device, dtype, frozen_dtype, generator, scaler)
 
@@ -476,6 +524,7 @@ class Trainer:
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "samplers": [sampler.state_dict()],
                 "config": to_dict(cfg),
+                "oom_guard": guard_checkpoint_state(),
             }
             if fitted_vae:
                 state["vae"] = vae.state_dict()
@@ -485,6 +534,7 @@ class Trainer:
             return state
 
         def save(reason: str) -> None:
+            settle()
             t0 = time.time()
             path = save_checkpoint(
                 ckpt_root,
@@ -503,6 +553,7 @@ class Trainer:
         def samples() -> None:
             if not cfg.sample.prompts:
                 return
+            settle()
             if d.rank == 0:
                 t0 = time.time()
                 with ema_weights(unet, ema):
@@ -535,7 +586,8 @@ class Trainer:
         mem_alloc, mem_peak = memory_bytes(device)
         self.log(
             f"training {cfg.train.max_steps} steps from step {step}: global batch {images_per_step} "
-            f"= {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x {d.world_size} ranks "
+            f"= {micro_batch} micro x {grad_accum} accum x {d.world_size} ranks "
+            f"| OOM guard {'on' if guard is not None else 'off'} "
             f"| output {self.out_dir} | setup {time.time() - start_time:.1f}s"
         )
         first_loss: float | None = None
@@ -555,15 +607,18 @@ class Trainer:
                 continue
             batch = objective.prepare(raw)
             lr = lr_scheduler.get_last_lr()[0]  # the rate this step uses
-            result = run_step(
-                ddp_model,
-                batch,
-                cfg.train.micro_batch,
-                cfg.train.grad_accum,
-                objective.forward_backward,
-                optimizer_step,
-            )
-            sampler.advance(result.samples)
+            samples_in_step = batch_size(batch)
+            if guard is not None:
+                # Numbered as its step event will be (1-based), as SDDOCTOR_FAULT's step= counts.
+                result = guard.run_step(batch, objective.forward_backward, optimizer_step, step + 1)
+                if result.fell_back:
+                    self.log_fallback(guard, step + 1)
+            else:
+                result = run_step(
+                    ddp_model, batch, micro_batch, grad_accum, objective.forward_backward, optimizer_step
+                )
+            del batch
+            sampler.advance(samples_in_step)
             step += 1
             now = time.perf_counter()
             step_time, last_end = now - last_end, now
@@ -573,7 +628,7 @@ class Trainer:
             reporter.push(
                 step,
                 result.loss,
-                samples=result.samples,
+                samples=samples_in_step,
                 step_time=step_time,
                 micro_batch=result.micro_batch,
                 grad_accum=result.grad_accum,
@@ -609,18 +664,75 @@ class Trainer:
             last_end = time.perf_counter()  # step_time covers data + step, not logging or saving
 
         reporter.flush()
+        settle()
         self.check_replicas(unet, step)
         if cfg.checkpoint.at_end:
             save("end")
         if cfg.sample.at_end:
             samples()
         if cfg.output.export:
+            settle()
             if d.rank == 0:
                 path = export_pipeline(models, unet, self.out_dir / "export", ema)
                 self.log(f"exported diffusers folder {path}")
             _barrier()
         self.log(f"done: {step} steps in {time.time() - start_time:.1f}s")
         return EXIT_OK
+
+    def build_guard(
+        self,
+        model: torch.nn.Module,
+        wrap: Any,
+        optimizer: torch.optim.Optimizer,
+        extra_state: list[Any],
+        checkpointing_on: bool,
+    ) -> OOMGuard | None:
+        """The OOM guard (it builds the DDP wrapper), or None when train.oom_guard is off or cannot apply."""
+        cfg = self.cfg
+        if not cfg.train.oom_guard:
+            return None
+        if cfg.ddp.find_unused_parameters and self.dist.world_size > 1:
+            message = (
+                "OOM guard off: it does not support ddp.find_unused_parameters=true (a failed rank cannot "
+                "complete DDP's extra all-reduce); an out-of-memory will stop the run. Set "
+                "ddp.find_unused_parameters=false (SD's UNet uses every parameter) to keep the guard"
+            )
+            self.log(f"warning: {message}")
+            sdi.event(EventKind.WARNING, code="oom_guard_off", message=message)
+            return None
+        fallback_checkpointing = (
+            cfg.train.oom_fallback_checkpointing
+            and not cfg.model.gradient_checkpointing
+            and not checkpointing_on
+        )
+        unet = getattr(model, "_orig_mod", model)  # torch.compile keeps the module here
+        return OOMGuard(
+            model,
+            wrap=wrap,
+            optimizer=optimizer,
+            micro_batch=cfg.train.micro_batch,
+            grad_accum=cfg.train.grad_accum,
+            enable_gradient_checkpointing=unet.enable_gradient_checkpointing
+            if fallback_checkpointing
+            else None,
+            # Restored with the optimizer when a step is rolled back or copied from a healthy rank.
+            extra_state=[obj for obj in extra_state if obj is not None],
+        )
+
+    def log_fallback(self, guard: OOMGuard, step: int) -> None:
+        """One rank-0 line per fallback; the `oom`/`fallback` events carry the details."""
+        last = guard.last_fallback or {}
+        checkpointing = ", gradient checkpointing on" if guard.gradient_checkpointing else ""
+        self.log(
+            f"OOM guard: {last.get('reason', 'out of memory')} at step {last.get('step', step)}: every rank now "
+            f"runs micro-batch {guard.micro_batch} x {guard.grad_accum} accumulation{checkpointing} "
+            f"(was {last.get('old_micro_batch', '?')} x {last.get('old_grad_accum', '?')}; same global batch); "
+            + (
+                "the failed optimizer step was completed from a healthy rank"
+                if last.get("step_applied")
+                else "the step was redone"
+            )
+        )
 
     def check_replicas(self, unet: torch.nn.Module, step: int) -> None:
         """Compare a digest of the UNet weights across ranks: DDP must keep them identical."""
