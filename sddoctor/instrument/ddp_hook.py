@@ -7,9 +7,10 @@
     hook.stats()      # {"buckets": 412, "seconds": 3.1, "last_bucket_t": 1764670000.2}
     ddp_hook.stats()  # the same, summed over every live hooked model (state field collectives.ddp)
 
-DDP accepts one comm hook per model. Under `sddoctor run` the bootstrap installs this hook right
-after every DDP construction (`ddp_patch`); whoever comes later (the OOM guard) takes over the
-installed hook through `install_comm_hook(ddp, state)` instead of registering a second one.
+DDP accepts one comm hook per model. Under `sddoctor run` the bootstrap (`ddp_patch`) installs this
+hook at every DDP model's first forward, unless a comm hook was registered on it by then (the
+user's own, or the OOM guard's); `install_comm_hook(ddp, state)` on a model that already carries
+this hook takes it over instead of registering a second one.
 
 What it adds to the plain all-reduce, all in memory and without a lock (the hook runs on the
 autograd thread; counters are plain ints under the GIL):
@@ -165,6 +166,29 @@ def install_comm_hook(
 def install(ddp_model: torch.nn.parallel.DistributedDataParallel) -> CommHookState:
     """Install the hook on `ddp_model` once; later calls return the installed state."""
     return install_comm_hook(ddp_model)
+
+
+_CLAIMED_ATTR = "_sddoctor_comm_hook_claimed"
+
+
+def mark_claimed(ddp_model: torch.nn.Module) -> None:
+    """Someone registered a comm hook on `ddp_model` (ddp_patch calls this from DDP's register methods)."""
+    ddp_model.__dict__[_CLAIMED_ATTR] = True
+
+
+def install_on_first_forward(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Install the hook at the model's first forward, unless a comm hook was registered by then.
+
+    The bootstrap calls this at DDP construction: a user's own comm hook (fp16 compression,
+    PowerSGD), registered after construction, must still be accepted, and DDP takes only one.
+    """
+
+    def _first_forward(module: torch.nn.Module, args: Any) -> None:
+        handle.remove()
+        if installed_state(module) is None and not module.__dict__.get(_CLAIMED_ATTR, False):
+            install(module)  # type: ignore[arg-type]
+
+    handle = ddp_model.register_forward_pre_hook(_first_forward)
 
 
 def stats() -> dict[str, Any]:

@@ -1,0 +1,114 @@
+"""The bundled trainer under injected out-of-memory: 2 real gloo ranks (torchrun), tiny preset.
+
+One run takes a backward OOM on rank 1 after bucket 0 was sent (step 2), then a forward OOM on
+every rank (step 4): every rank must fall back together (8x1 -> 4x2 -> 2x4), finish, and end
+with identical weights. A second run resumes its last checkpoint and must keep micro-batch 2.
+The trainer runs with telemetry on, so DDP is built under the bootstrap's ddp_patch and the
+guard's hook feeds `collectives.ddp` in the state snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, subprocess_env
+from sddoctor.telemetry.reader import read_events
+from trainer.checkpoint import list_checkpoints
+from trainer.config import build_config
+from trainer.train import Dist, Trainer
+
+FAULTS = "oom:rank=1,step=2,phase=backward,bucket=1;oom:rank=*,step=4,phase=forward"
+ARGS = [
+    "--set",
+    "model.vae_warmup_steps=2",
+    "data.max_samples=64",
+    "train.micro_batch=8",
+    "train.grad_accum=1",
+    "train.log_every=3",
+    "ddp.bucket_cap_mb=1",  # several gradient buckets, so that bucket 1 exists
+    "sample.at_end=false",
+    "output.export=false",
+]
+
+
+def train(out: Path, cache: Path, max_steps: int, *extra: str, fault: str = "") -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "trainer", "--output-dir", str(out), *ARGS, f"data.cache_dir={cache}"]
+    cmd += [f"train.max_steps={max_steps}", *extra]
+    env = subprocess_env()
+    env["SDDOCTOR_FAULT"] = fault
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"trainer did not finish in 240s:\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def events(out: Path, rank: int, kind: str) -> list[dict]:
+    return read_events(out / "ranks" / f"rank-{rank:05d}.jsonl", kinds={kind})
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory) -> tuple[Path, Path, str]:
+    out = tmp_path_factory.mktemp("faulted")
+    cache = tmp_path_factory.mktemp("cache")
+    return out, cache, train(out, cache, 6, fault=FAULTS)
+
+
+def test_ooms_in_backward_on_one_rank_and_forward_on_all_fall_back_together(faulted) -> None:
+    out, _, output = faulted
+    expected = {1: (8, 1), 2: (4, 2), 3: (4, 2), 4: (2, 4), 5: (2, 4), 6: (2, 4)}
+    for rank in (0, 1):
+        steps = {e["step"]: (e["micro_batch"], e["grad_accum"]) for e in events(out, rank, "step")}
+        assert steps == expected, (rank, steps)
+        fallbacks = [
+            (e["step"], e["new_micro_batch"], e["failed_ranks"]) for e in events(out, rank, "fallback")
+        ]
+        assert fallbacks == [(2, 4, [1]), (4, 2, [0, 1])], (rank, fallbacks)
+    assert [(e["step"], e["phase"]) for e in events(out, 1, "oom")] == [(2, "backward"), (4, "forward")]
+    assert [(e["step"], e["phase"]) for e in events(out, 0, "oom")] == [(4, "forward")]
+    digests = [events(out, rank, "replicas")[-1]["params_sha256"] for rank in (0, 1)]
+    assert digests[0] == digests[1]
+    assert "OOM guard: out of memory in backward on rank(s) [1] at step 2" in output
+    assert "runs micro-batch 2 x 4 accumulation" in output
+    # DDP was built under the bootstrap's patch; the guard's hook counted the gradient buckets.
+    state = json.loads((out / "ranks" / "rank-00000.state").read_text())
+    assert state["collectives"]["ddp"]["buckets"] > 6
+
+
+def test_resume_after_a_fallback_keeps_the_smaller_micro_batch(faulted) -> None:
+    out, cache, _ = faulted
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [6]
+    output = train(out, cache, 8, "--resume", "latest")
+    assert "micro-batch 2 x 4 accumulation, from the checkpoint" in output
+    for rank in (0, 1):
+        steps = {e["step"]: (e["micro_batch"], e["grad_accum"]) for e in events(out, rank, "step")}
+        assert steps[7] == steps[8] == (2, 4)
+    digests = [events(out, rank, "replicas")[-1]["params_sha256"] for rank in (0, 1)]
+    assert digests[0] == digests[1]
+
+
+def test_find_unused_parameters_turns_the_guard_off_with_a_warning(capsys) -> None:
+    trainer = Trainer(build_config("tiny", None, ["ddp.find_unused_parameters=true"]))
+    trainer.dist = Dist(rank=0, local_rank=0, world_size=2, device=None, backend="gloo")  # type: ignore[arg-type]
+    assert trainer.build_guard(None, None, None, [], False) is None  # type: ignore[arg-type]
+    assert "OOM guard off" in capsys.readouterr().out
