@@ -112,3 +112,93 @@ def test_find_unused_parameters_turns_the_guard_off_with_a_warning(capsys) -> No
     trainer.dist = Dist(rank=0, local_rank=0, world_size=2, device=None, backend="gloo")  # type: ignore[arg-type]
     assert trainer.build_guard(None, None, None, [], False) is None  # type: ignore[arg-type]
     assert "OOM guard off" in capsys.readouterr().out
+
+
+# -- the guard's per-step overhead on the tiny trainer's step (not a test: a measurement) -------
+#   OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tests/test_oom_trainer.py OUT_DIR [steps]
+# Interleaved blocks in one process, on one DDP wrapper (the guard's): guard.run_step vs the
+# trainer's plain trainer.step.run_step on the same batch, optimizer and objective.
+
+
+def measure_overhead(out_dir: str, steps: int = 60, block: int = 5) -> None:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sddoctor.instrument.oom_guard import OOMGuard
+    from trainer.models import build_models
+    from trainer.objective import DiffusionObjective
+    from trainer.optim import build_optimizer
+    from trainer.step import run_step
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    cfg = build_config("tiny", None, [])
+    torch.manual_seed(0)
+    models = build_models("tiny")
+    models.vae.to(device).requires_grad_(False).eval()
+    models.text_encoder.to(device).requires_grad_(False).eval()
+    unet = models.unet.to(device).train()
+    optimizer = build_optimizer([p for p in unet.parameters() if p.requires_grad], cfg.optim, device)
+    micro, accum = 8, 2
+    guard = OOMGuard(
+        unet,
+        wrap=lambda m: DDP(m, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True),
+        optimizer=optimizer,
+        micro_batch=micro,
+        grad_accum=accum,
+        faults=[],
+    )
+    dtype = torch.bfloat16 if cuda else torch.float32
+    generator = torch.Generator(device=device).manual_seed(rank)
+    objective = DiffusionObjective(cfg, models, device, dtype, torch.float32, generator)
+    res = cfg.data.resolution
+    captions = [f"a handwritten digit {i % 10}" for i in range(micro * accum)]
+    batch = objective.prepare(
+        {"pixel_values": torch.rand(micro * accum, 3, res, res) * 2 - 1, "caption": captions}
+    )
+
+    def optimizer_step() -> None:
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(2 * steps + 2 * block):
+        mode = "on" if (i // block) % 2 else "off"
+        if i % block == 0:
+            guard.settle()  # the guard's deferred agreement belongs to its own steps
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if mode == "on":
+            guard.run_step(batch, objective.forward_backward, optimizer_step, step=i)
+        else:
+            run_step(guard.model, batch, micro, accum, objective.forward_backward, optimizer_step)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 2 * block:  # the first on/off blocks warm up (DDP bucket rebuild, optimizer state)
+            times[mode].append(time.perf_counter() - t0)
+    guard.settle()
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    result = {"device": str(device), "on_ms": on * 1000, "off_ms": off * 1000, "overhead": on / off - 1}
+    result["steps_each"] = len(times["on"])
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
+    print(
+        f"rank {rank} {device}: median step guard off {off * 1000:.2f} ms, on {on * 1000:.2f} ms "
+        f"({(on / off - 1) * 100:+.1f}%) over {len(times['on'])} steps each, interleaved blocks of {block}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    measure_overhead(sys.argv[1], *(int(a) for a in sys.argv[2:3]))
