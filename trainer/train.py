@@ -471,7 +471,9 @@ class Trainer:
             if guard_state:
                 guard.load_state_dict({**guard_state, "gradient_checkpointing": False})
             micro_batch, grad_accum = guard.micro_batch, guard.grad_accum
-            ddp_model = guard.model
+            # No reference to guard.model here: after a failure the guard replaces the wrapper, and a
+            # stale reference would keep the old one's gradient buckets in memory.
+            ddp_model = None
         else:
             if guard_state and batch_per_step % int(guard_state["micro_batch"]) == 0:
                 micro_batch = min(micro_batch, int(guard_state["micro_batch"]))
