@@ -1,8 +1,10 @@
 """The bundled trainer under injected out-of-memory: 2 real gloo ranks (torchrun), tiny preset.
 
-One run takes a backward OOM on rank 1 after bucket 0 was sent (step 2), then a forward OOM on
-every rank (step 4): every rank must fall back together (8x1 -> 4x2 -> 2x4), finish, and end
-with identical weights. A second run resumes its last checkpoint and must keep micro-batch 2.
+One run takes a backward OOM on rank 1 after bucket 0 was sent (step 2), a forward OOM on every
+rank (step 4) and an OOM on rank 0 right after its optimizer updated the weights (step 5, EMA
+on): every rank must fall back together (8x1 -> 4x2 -> 2x4 -> 1x8), finish, and end with
+identical weights and learning rates (rank 0's skipped scheduler step is copied from rank 1).
+A second run resumes its last checkpoint and must keep micro-batch 1.
 The trainer runs with telemetry on, so DDP is built under the bootstrap's ddp_patch and the
 guard's hook feeds `collectives.ddp` in the state snapshot.
 """
@@ -24,7 +26,7 @@ from trainer.checkpoint import list_checkpoints
 from trainer.config import build_config
 from trainer.train import Dist, Trainer
 
-FAULTS = "oom:rank=1,step=2,phase=backward,bucket=1;oom:rank=*,step=4,phase=forward"
+FAULTS = "oom:rank=1,step=2,phase=backward,bucket=1;oom:rank=*,step=4,phase=forward;oom:rank=0,step=5,phase=optimizer"
 ARGS = [
     "--set",
     "model.vae_warmup_steps=2",
@@ -32,6 +34,7 @@ ARGS = [
     "train.micro_batch=8",
     "train.grad_accum=1",
     "train.log_every=3",
+    "train.ema_decay=0.9",
     "ddp.bucket_cap_mb=1",  # several gradient buckets, so that bucket 1 exists
     "sample.at_end=false",
     "output.export=false",
@@ -76,20 +79,25 @@ def faulted(tmp_path_factory) -> tuple[Path, Path, str]:
 
 def test_ooms_in_backward_on_one_rank_and_forward_on_all_fall_back_together(faulted) -> None:
     out, _, output = faulted
-    expected = {1: (8, 1), 2: (4, 2), 3: (4, 2), 4: (2, 4), 5: (2, 4), 6: (2, 4)}
+    # step 5's optimizer failure is known at step 6's agreement: step 5 stays applied (from rank 1)
+    expected = {1: (8, 1), 2: (4, 2), 3: (4, 2), 4: (2, 4), 5: (2, 4), 6: (1, 8)}
     for rank in (0, 1):
         steps = {e["step"]: (e["micro_batch"], e["grad_accum"]) for e in events(out, rank, "step")}
         assert steps == expected, (rank, steps)
         fallbacks = [
-            (e["step"], e["new_micro_batch"], e["failed_ranks"]) for e in events(out, rank, "fallback")
+            (e["step"], e["new_micro_batch"], e["failed_ranks"], e["step_applied"])
+            for e in events(out, rank, "fallback")
         ]
-        assert fallbacks == [(2, 4, [1]), (4, 2, [0, 1])], (rank, fallbacks)
+        assert fallbacks == [(2, 4, [1], False), (4, 2, [0, 1], False), (5, 1, [0], True)], (rank, fallbacks)
     assert [(e["step"], e["phase"]) for e in events(out, 1, "oom")] == [(2, "backward"), (4, "forward")]
-    assert [(e["step"], e["phase"]) for e in events(out, 0, "oom")] == [(4, "forward")]
+    assert [(e["step"], e["phase"]) for e in events(out, 0, "oom")] == [(4, "forward"), (5, "optimizer")]
+    lrs = [[e["lr"] for e in events(out, rank, "step")] for rank in (0, 1)]
+    assert lrs[0] == lrs[1]
     digests = [events(out, rank, "replicas")[-1]["params_sha256"] for rank in (0, 1)]
     assert digests[0] == digests[1]
     assert "OOM guard: out of memory in backward on rank(s) [1] at step 2" in output
     assert "runs micro-batch 2 x 4 accumulation" in output
+    assert "the failed optimizer step was completed from a healthy rank" in output
     # DDP was built under the bootstrap's patch; the guard's hook counted the gradient buckets.
     state = json.loads((out / "ranks" / "rank-00000.state").read_text())
     assert state["collectives"]["ddp"]["buckets"] > 6
@@ -99,10 +107,10 @@ def test_resume_after_a_fallback_keeps_the_smaller_micro_batch(faulted) -> None:
     out, cache, _ = faulted
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [6]
     output = train(out, cache, 8, "--resume", "latest")
-    assert "micro-batch 2 x 4 accumulation, from the checkpoint" in output
+    assert "micro-batch 1 x 8 accumulation, from the checkpoint" in output
     for rank in (0, 1):
         steps = {e["step"]: (e["micro_batch"], e["grad_accum"]) for e in events(out, rank, "step")}
-        assert steps[7] == steps[8] == (2, 4)
+        assert steps[7] == steps[8] == (1, 8)
     digests = [events(out, rank, "replicas")[-1]["params_sha256"] for rank in (0, 1)]
     assert digests[0] == digests[1]
 

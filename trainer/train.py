@@ -499,9 +499,15 @@ class Trainer:
 
         objective = DiffusionObjective(cfg, models, device, dtype, frozen_dtype, generator, scaler)
 
+        # The learning rate the latest optimizer step used. Read here rather than before the step:
+        # when the OOM guard repairs a rank's failed optimizer step at the next step's agreement, it
+        # copies the scheduler from a healthy rank first, and the step then runs at that rate.
+        used_lr = [lr_scheduler.get_last_lr()[0]]
+
         def optimizer_step() -> None:
             """Unscale, clip, step, schedule, EMA, zero_grad."""
             sdi.phase("optimizer")
+            used_lr[0] = optimizer.param_groups[0]["lr"]
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if cfg.train.max_grad_norm > 0:
@@ -608,7 +614,6 @@ class Trainer:
                 data_iter = None
                 continue
             batch = objective.prepare(raw)
-            lr = lr_scheduler.get_last_lr()[0]  # the rate this step uses
             samples_in_step = batch_size(batch)
             if guard is not None:
                 # Numbered as its step event will be (1-based), as SDDOCTOR_FAULT's step= counts.
@@ -621,6 +626,7 @@ class Trainer:
                 )
             del batch
             sampler.advance(samples_in_step)
+            lr = used_lr[0]
             step += 1
             now = time.perf_counter()
             step_time, last_end = now - last_end, now
