@@ -513,7 +513,13 @@ class Trainer:
             if cfg.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm, foreach=True)
             if scaler is not None:
-                scaler.step(optimizer)
+                try:
+                    scaler.step(optimizer)
+                except Exception:
+                    # update() did not run, so the scaler still marks this optimizer as unscaled and
+                    # would refuse the unscale_() of the step the OOM guard redoes or repairs.
+                    scaler._per_optimizer_states.clear()
+                    raise
                 scaler.update()
             else:
                 optimizer.step()
