@@ -27,7 +27,9 @@ def test_split_batch_slices_tensors_and_lists_and_shares_the_rest():
 
 
 # Each rank builds the same tiny model three times and takes one step on the same batch cut as
-# 4x1, 2x2 and 1x4 (micro-batch x accumulation), capturing the all-reduced gradients.
+# 4x1, 2x2 and 1x4 (micro-batch x accumulation), capturing the all-reduced gradients; once with
+# the plain step (train.oom_guard=false) and once through the OOM guard on a fresh copy of the UNet
+# (the guard's DDP wrapper and hooks stay on the module it guards).
 WORKER = r"""
 import copy, json, sys
 import torch, torch.distributed as dist
@@ -36,6 +38,7 @@ from trainer.config import build_config
 from trainer.models import build_models
 from trainer.objective import DiffusionObjective
 from trainer.step import run_step
+from sddoctor.instrument.oom_guard import OOMGuard
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -63,6 +66,16 @@ for micro in (4, 2, 1):
     flat = torch.cat([g.flatten() for g in grads.values()])
     out[micro] = {"loss": float(result.loss), "grad": flat.tolist()[::97], "norm": float(flat.norm()),
                   "accum": result.grad_accum, "samples": result.samples}
+    unet = copy.deepcopy(models.unet)
+    guard = OOMGuard(unet, wrap=lambda m: DDP(m, bucket_cap_mb=0.5), optimizer=torch.optim.SGD(unet.parameters()),
+                     micro_batch=micro, grad_accum=4 // micro)
+    grads = {}
+    def capture_guarded():
+        grads.update({n: p.grad.detach().clone() for n, p in unet.named_parameters()})
+    result = guard.run_step(batch, objective.forward_backward, capture_guarded, step=1)
+    guard.settle()
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    out[f"guard{micro}"] = {"loss": float(result.loss), "grad": flat.tolist()[::97], "accum": result.grad_accum}
 json.dump(out, open(sys.argv[1] + f"/rank{rank}.json", "w"))
 dist.destroy_process_group()
 """
@@ -100,6 +113,12 @@ def test_accumulation_matches_one_big_micro_batch(tmp_path):
             assert abs(split["loss"] - whole["loss"]) < 1e-5 * max(1.0, whole["loss"])
             worst = max(abs(a - b) for a, b in zip(split["grad"], whole["grad"], strict=True))
             assert worst < 1e-4 * max(abs(g) for g in whole["grad"]), (micro, worst)
+        for micro in ("4", "2", "1"):
+            guarded, plain = per_rank[f"guard{micro}"], per_rank[micro]
+            assert guarded["accum"] == plain["accum"]
+            assert abs(guarded["loss"] - plain["loss"]) < 1e-6 * max(1.0, plain["loss"])
+            worst = max(abs(a - b) for a, b in zip(guarded["grad"], plain["grad"], strict=True))
+            assert worst < 1e-6 * max(abs(g) for g in plain["grad"]), (micro, worst)
     # DDP averaged the gradients: both ranks hold the same ones, though their batches differed.
     assert ranks[0]["2"]["grad"] == ranks[1]["2"]["grad"]
     assert ranks[0]["4"]["loss"] != ranks[1]["4"]["loss"]

@@ -83,6 +83,11 @@ class TrainConfig:
     """TF32 for the fp32 matmuls and convolutions that remain (CUDA, Ampere and newer)."""
     memory_saver: bool = False
     """Fit small GPUs: the MEMORY_SAVER settings below, for every key not set explicitly."""
+    oom_guard: bool = True
+    """Recover from out-of-memory in flight: every rank lowers the micro-batch and raises
+    accumulation (same global batch) and redoes the step (sddoctor.instrument.oom_guard)."""
+    oom_fallback_checkpointing: bool = True
+    """When micro-batch 1 still runs out of memory, turn on gradient checkpointing before giving up."""
 
 
 @dataclass

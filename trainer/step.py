@@ -1,8 +1,9 @@
 """One optimizer step: micro-batches with gradient accumulation, then the optimizer.
 
-This is the seam the OOM guard replaces: everything the guard needs is a function of the
-batch, the micro-batch size and two callables, so it can re-split the same batch with a smaller
-micro-batch (and more accumulation) and call the same two callables again.
+The trainer runs its steps through sddoctor's OOM guard (`OOMGuard.run_step`, same two callables),
+which re-splits the same batch with a smaller micro-batch (and more accumulation) after an
+out-of-memory; `run_step` here is the step without the guard (`train.oom_guard=false`, or
+`ddp.find_unused_parameters=true`, which the guard does not support).
 
     forward_backward(model, micro_batch_dict, loss_scale) -> detached loss tensor
         forward + loss + backward of loss * loss_scale; must not call .item() (no host sync)

@@ -5,9 +5,11 @@
 
 Order of events: parse config -> process group -> telemetry -> models -> data -> (VAE fit for a
 model built from scratch) -> (latent cache) -> DDP -> optimizer -> (resume) -> loop -> export.
-Each optimizer step is `trainer.step.run_step`; everything random in a step is drawn for the
-whole batch from one generator per rank, which a checkpoint saves, so a resumed run repeats the
-uninterrupted one exactly on CPU.
+Each optimizer step goes through sddoctor's OOM guard (`train.oom_guard`, on by default): an
+out-of-memory on any rank lowers the micro-batch on every rank, raises accumulation to keep the
+global batch, and redoes the step; without the guard it is `trainer.step.run_step`. Everything
+random in a step is drawn for the whole batch from one generator per rank, which a checkpoint
+saves, so a resumed run repeats the uninterrupted one exactly on CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from sddoctor.instrument import api as sdi
+from sddoctor.instrument.oom_guard import OOMGuard, OOMGuardError
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
 from trainer.cache import build_cache
@@ -50,7 +53,7 @@ from trainer.objective import DiffusionObjective
 from trainer.optim import EMA, build_lr_scheduler, build_optimizer
 from trainer.progress import ProgressLine, StepReporter, memory_bytes
 from trainer.sample import ema_weights, sample_grid, save_grid
-from trainer.step import run_step
+from trainer.step import batch_size, run_step
 from trainer.vae_fit import fit_vae
 
 EXIT_OK = 0
@@ -75,7 +78,8 @@ output: ./runs/<output.name or preset>/ unless --output-dir (or $SDDOCTOR_RUN_DI
 
 exit codes:
   0    finished
-  1    training failed (exception; traceback printed, `exception` event written)
+  1    training failed (exception; traceback printed, `exception` event written), or out of
+       memory even at micro-batch 1 (the OOM guard's message names the memory and what to try)
   2    bad input: unknown preset or config key, wrong value type, bad TOML, missing model
        folder or data folder, unusable --resume target
   130  stopped by SIGINT, 143 by SIGTERM (after saving a checkpoint)
@@ -319,6 +323,11 @@ class Trainer:
             print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
             sdi.event(EventKind.WARNING, code="bad_input", message=str(exc))
             code = EXIT_BAD_INPUT
+        except OOMGuardError as exc:
+            # Raised on every rank alike: the guard's message is the diagnosis, a traceback adds nothing.
+            print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+            sdi.event(EventKind.EXCEPTION, type=type(exc).__name__, message=str(exc))
+            code = EXIT_FAILED
         except Exception as exc:
             tb = traceback.extract_tb(exc.__traceback__)
             sdi.event(
@@ -473,12 +482,11 @@ class Trainer:
             seed=cfg.train.seed,
         )
 
-        # DDP, optimizer, schedule, EMA, loss scaler.
+        # Optimizer, schedule, EMA, loss scaler; then the DDP wrapper (built by the OOM guard).
         unet.train()
         model = torch.compile(unet, mode=cfg.model.compile_mode or None) if cfg.model.compile else unet
         if unet_bf16:
             model = CastInputs(model, torch.bfloat16)
-        ddp_model = wrap(model)
         params = [p for p in unet.parameters() if p.requires_grad]
         if unet_bf16 or cfg.optim.state_dtype == "bf16":
             optimizer = MixedPrecisionAdamW(
@@ -512,6 +520,48 @@ class Trainer:
             self.log(f"resumed from {resume_path} at step {step}")
             sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume_path), action="resume")
 
+        guard_state = (shared or {}).get("oom_guard")
+        # Gradient checkpointing that an earlier run's guard turned on stays on after a resume.
+        guard_turned_on_checkpointing = bool(
+            guard_state and guard_state.get("gradient_checkpointing") and not cfg.model.gradient_checkpointing
+        )
+        if guard_turned_on_checkpointing:
+            unet.enable_gradient_checkpointing()
+            self.log("gradient checkpointing on: the OOM guard had turned it on before the checkpoint")
+        guard = self.build_guard(
+            model, wrap, optimizer, [lr_scheduler, scaler, ema], guard_turned_on_checkpointing
+        )
+        micro_batch, grad_accum = cfg.train.micro_batch, cfg.train.grad_accum
+        if guard is not None:
+            if guard_state:
+                guard.load_state_dict({**guard_state, "gradient_checkpointing": False})
+            micro_batch, grad_accum = guard.micro_batch, guard.grad_accum
+            # No reference to guard.model here: after a failure the guard replaces the wrapper, and a
+            # stale reference would keep the old one's gradient buckets in memory.
+            ddp_model = None
+        else:
+            if guard_state and batch_per_step % int(guard_state["micro_batch"]) == 0:
+                micro_batch = min(micro_batch, int(guard_state["micro_batch"]))
+                grad_accum = batch_per_step // micro_batch
+            ddp_model = wrap(model)
+        if (micro_batch, grad_accum) != (cfg.train.micro_batch, cfg.train.grad_accum):
+            self.log(
+                f"micro-batch {micro_batch} x {grad_accum} accumulation, from the checkpoint "
+                f"(configured {cfg.train.micro_batch} x {cfg.train.grad_accum}, the OOM guard fell back)"
+            )
+
+        def guard_checkpoint_state() -> dict[str, Any] | None:
+            if guard is None:
+                return guard_state  # keep what an earlier guarded run learnt
+            state = guard.state_dict()
+            state["gradient_checkpointing"] = guard.gradient_checkpointing or guard_turned_on_checkpointing
+            return state
+
+        def settle() -> None:
+            """Finish the OOM guard's agreement on the last optimizer step (every rank) before reading the model."""
+            if guard is not None and guard.settle():
+                self.log_fallback(guard, step)
+
         objective = DiffusionObjective(cfg, models, device, dtype, frozen_dtype, generator, scaler)
         if unet_bf16:
             objective.autocast = contextlib.nullcontext  # the UNet is bf16 already
@@ -522,15 +572,27 @@ class Trainer:
             text_encoder.to("cpu")
             torch.cuda.empty_cache()
 
+        # The learning rate the latest optimizer step used. Read here rather than before the step:
+        # when the OOM guard repairs a rank's failed optimizer step at the next step's agreement, it
+        # copies the scheduler from a healthy rank first, and the step then runs at that rate.
+        used_lr = [lr_scheduler.get_last_lr()[0]]
+
         def optimizer_step() -> None:
             """Unscale, clip, step, schedule, EMA, zero_grad."""
             sdi.phase("optimizer")
+            used_lr[0] = optimizer.param_groups[0]["lr"]
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if cfg.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm, foreach=True)
             if scaler is not None:
-                scaler.step(optimizer)
+                try:
+                    scaler.step(optimizer)
+                except Exception:
+                    # update() did not run, so the scaler still marks this optimizer as unscaled and
+                    # would refuse the unscale_() of the step the OOM guard redoes or repairs.
+                    scaler._per_optimizer_states.clear()
+                    raise
                 scaler.update()
             else:
                 optimizer.step()
@@ -549,6 +611,7 @@ class Trainer:
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "samplers": [sampler.state_dict()],
                 "config": to_dict(cfg),
+                "oom_guard": guard_checkpoint_state(),
             }
             if fitted_vae:
                 state["vae"] = vae.state_dict()
@@ -558,6 +621,7 @@ class Trainer:
             return state
 
         def save(reason: str) -> None:
+            settle()
             t0 = time.time()
             path = save_checkpoint(
                 ckpt_root,
@@ -576,6 +640,7 @@ class Trainer:
         def samples() -> None:
             if not cfg.sample.prompts:
                 return
+            settle()
             if d.rank == 0:
                 t0 = time.time()
                 if offloaded:
@@ -616,7 +681,8 @@ class Trainer:
         mem_alloc, mem_peak = memory_bytes(device)
         self.log(
             f"training {cfg.train.max_steps} steps from step {step}: global batch {images_per_step} "
-            f"= {cfg.train.micro_batch} micro x {cfg.train.grad_accum} accum x {d.world_size} ranks "
+            f"= {micro_batch} micro x {grad_accum} accum x {d.world_size} ranks "
+            f"| OOM guard {'on' if guard is not None else 'off'} "
             f"| output {self.out_dir} | setup {time.time() - start_time:.1f}s"
         )
         first_loss: float | None = None
@@ -637,16 +703,19 @@ class Trainer:
                 continue
             batch = objective.prepare(raw)
             data_wait = time.perf_counter() - wait_start  # host time waiting for the loader
-            lr = lr_scheduler.get_last_lr()[0]  # the rate this step uses
-            result = run_step(
-                ddp_model,
-                batch,
-                cfg.train.micro_batch,
-                cfg.train.grad_accum,
-                objective.forward_backward,
-                optimizer_step,
-            )
-            sampler.advance(result.samples)
+            samples_in_step = batch_size(batch)
+            if guard is not None:
+                # Numbered as its step event will be (1-based), as SDDOCTOR_FAULT's step= counts.
+                result = guard.run_step(batch, objective.forward_backward, optimizer_step, step + 1)
+                if result.fell_back:
+                    self.log_fallback(guard, step + 1)
+            else:
+                result = run_step(
+                    ddp_model, batch, micro_batch, grad_accum, objective.forward_backward, optimizer_step
+                )
+            del batch
+            sampler.advance(samples_in_step)
+            lr = used_lr[0]
             step += 1
             now = time.perf_counter()
             step_time, last_end = now - last_end, now
@@ -656,7 +725,7 @@ class Trainer:
             reporter.push(
                 step,
                 result.loss,
-                samples=result.samples,
+                samples=samples_in_step,
                 step_time=step_time,
                 micro_batch=result.micro_batch,
                 grad_accum=result.grad_accum,
@@ -693,18 +762,75 @@ class Trainer:
             last_end = time.perf_counter()  # step_time covers data + step, not logging or saving
 
         reporter.flush()
+        settle()
         self.check_replicas(unet, step)
         if cfg.checkpoint.at_end:
             save("end")
         if cfg.sample.at_end:
             samples()
         if cfg.output.export:
+            settle()
             if d.rank == 0:
                 path = export_pipeline(models, unet, self.out_dir / "export", ema)
                 self.log(f"exported diffusers folder {path}")
             _barrier()
         self.log(f"done: {step} steps in {time.time() - start_time:.1f}s")
         return EXIT_OK
+
+    def build_guard(
+        self,
+        model: torch.nn.Module,
+        wrap: Any,
+        optimizer: torch.optim.Optimizer,
+        extra_state: list[Any],
+        checkpointing_on: bool,
+    ) -> OOMGuard | None:
+        """The OOM guard (it builds the DDP wrapper), or None when train.oom_guard is off or cannot apply."""
+        cfg = self.cfg
+        if not cfg.train.oom_guard:
+            return None
+        if cfg.ddp.find_unused_parameters and self.dist.world_size > 1:
+            message = (
+                "OOM guard off: it does not support ddp.find_unused_parameters=true (a failed rank cannot "
+                "complete DDP's extra all-reduce); an out-of-memory will stop the run. Set "
+                "ddp.find_unused_parameters=false (SD's UNet uses every parameter) to keep the guard"
+            )
+            self.log(f"warning: {message}")
+            sdi.event(EventKind.WARNING, code="oom_guard_off", message=message)
+            return None
+        fallback_checkpointing = (
+            cfg.train.oom_fallback_checkpointing
+            and not cfg.model.gradient_checkpointing
+            and not checkpointing_on
+        )
+        unet = getattr(model, "_orig_mod", model)  # torch.compile keeps the module here
+        return OOMGuard(
+            model,
+            wrap=wrap,
+            optimizer=optimizer,
+            micro_batch=cfg.train.micro_batch,
+            grad_accum=cfg.train.grad_accum,
+            enable_gradient_checkpointing=unet.enable_gradient_checkpointing
+            if fallback_checkpointing
+            else None,
+            # Restored with the optimizer when a step is rolled back or copied from a healthy rank.
+            extra_state=[obj for obj in extra_state if obj is not None],
+        )
+
+    def log_fallback(self, guard: OOMGuard, step: int) -> None:
+        """One rank-0 line per fallback; the `oom`/`fallback` events carry the details."""
+        last = guard.last_fallback or {}
+        checkpointing = ", gradient checkpointing on" if guard.gradient_checkpointing else ""
+        self.log(
+            f"OOM guard: {last.get('reason', 'out of memory')} at step {last.get('step', step)}: every rank now "
+            f"runs micro-batch {guard.micro_batch} x {guard.grad_accum} accumulation{checkpointing} "
+            f"(was {last.get('old_micro_batch', '?')} x {last.get('old_grad_accum', '?')}; same global batch); "
+            + (
+                "the failed optimizer step was completed from a healthy rank"
+                if last.get("step_applied")
+                else "the step was redone"
+            )
+        )
 
     def check_replicas(self, unet: torch.nn.Module, step: int) -> None:
         """Compare a digest of the UNet weights across ranks: DDP must keep them identical."""

@@ -2,8 +2,9 @@
 # Real CUDA out-of-memory on one GPU and the OOM guard recovering from it; guard overhead on vs off.
 #   OUT=/tmp/oom-results bash scripts/gpu/oom.sh
 # Writes $OUT/oom_demo.json, $OUT/oom_demo.log, $OUT/run/ (telemetry events of the demo run),
-# $OUT/cpu_bench/rank-*.json (2-rank gloo micro-benchmark of the control plane on this host's CPUs).
-# Takes about 2 minutes on an H200. Knobs: OOM_DEMO_LIMIT_GIB (default 24: a 24 GB card),
+# $OUT/cpu_bench/rank-*.json (2-rank gloo micro-benchmark of the control plane on this host's CPUs),
+# $OUT/trainer_bench/rank-0.json and $OUT/trainer_overhead.txt (the guard's cost on the bundled
+# trainer's step, on vs off, interleaved in one process). Takes about 3 minutes on an H200. Knobs: OOM_DEMO_LIMIT_GIB (default 24: a 24 GB card),
 # OOM_DEMO_BATCH (per-rank batch, default 32).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,3 +30,8 @@ for f in sorted((out / "cpu_bench").glob("rank-*.json")):
           f"({(b['on_ms'] / b['off_ms'] - 1) * 100:+.1f}%), without agreements {b['no_agree_ms']:.2f} ms, "
           f"one gloo agreement {b['agree_ms'] * 1000:.0f} us")
 PYEOF
+
+# 3) the guard's overhead on the bundled trainer's step (tiny preset, bf16, micro-batch 8 x 2, 1 GPU):
+#    guard.run_step vs the plain trainer.step.run_step on the same DDP wrapper, interleaved blocks
+timeout 120 "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port 29563 \
+    tests/test_oom_trainer.py "$OUT/trainer_bench" 200 2>&1 | tail -3 | tee "$OUT/trainer_overhead.txt"

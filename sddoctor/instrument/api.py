@@ -226,14 +226,10 @@ class RankSession:
                 self._after_init()
         except Exception:  # noqa: BLE001
             pass
-        try:
-            from sddoctor.instrument import ddp_hook  # noqa: F401  (merged from the OOM guard)
+        # Gradient bucket counts and times of every DDP model the bootstrap (ddp_patch) hooked.
+        from sddoctor.instrument import ddp_hook
 
-            stats = getattr(ddp_hook, "stats", None)
-            if callable(stats):
-                self.tracer.ddp_stats = stats
-        except ImportError:
-            pass
+        self.tracer.ddp_stats = ddp_hook.stats
 
     def _after_init(self) -> None:
         import torch.distributed as dist

@@ -1,10 +1,16 @@
 """A DDP comm hook that averages gradient buckets exactly like DDP's default hook and keeps account.
 
-    from sddoctor.instrument.ddp_hook import install_comm_hook
+    from sddoctor.instrument import ddp_hook
     ddp = DDP(model, ...)
-    hook = install_comm_hook(ddp)          # returns the CommHookState
+    hook = ddp_hook.install(ddp)           # the CommHookState; a second call returns the same one
     ...
-    hook.stats()  # {"buckets": 412, "seconds": 3.1, "last_bucket_t": 1764670000.2}
+    hook.stats()      # {"buckets": 412, "seconds": 3.1, "last_bucket_t": 1764670000.2}
+    ddp_hook.stats()  # the same, summed over every live hooked model (state field collectives.ddp)
+
+DDP accepts one comm hook per model. Under `sddoctor run` the bootstrap (`ddp_patch`) installs this
+hook at every DDP model's first forward, unless a comm hook was registered on it by then (the
+user's own, or the OOM guard's); `install_comm_hook(ddp, state)` on a model that already carries
+this hook takes it over instead of registering a second one.
 
 What it adds to the plain all-reduce, all in memory and without a lock (the hook runs on the
 autograd thread; counters are plain ints under the GIL):
@@ -22,6 +28,7 @@ Works with `gradient_as_bucket_view=True` (the reduction is in place in the buck
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +79,16 @@ class CommHookState:
             "last_bucket_t": self.last_bucket_t,
         }
 
+    def take_over(self, previous: CommHookState) -> None:
+        """Continue `previous`'s counters and callbacks in this (installed) state; zero `previous`."""
+        self.buckets += previous.buckets
+        self.seconds += previous.seconds
+        if previous.last_bucket_t is not None:
+            self.last_bucket_t = max(self.last_bucket_t or 0.0, previous.last_bucket_t)
+        self.before_launch = previous.before_launch
+        self.after_last_launch = previous.after_last_launch
+        previous.buckets, previous.seconds, previous.last_bucket_t = 0, 0.0, None
+
     # Pickling a DDP model drops comm hooks anyway; keep the state picklable for safety.
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -110,16 +127,85 @@ def _averaging_allreduce_hook(state, bucket):
     return fut
 
 
+# The state of every live hooked model, for the process-wide stats(); states die with their models.
+_live_states: weakref.WeakSet[CommHookState] = weakref.WeakSet()
+_STATE_ATTR = "_sddoctor_comm_hook_state"
+
+
+def installed_state(ddp_model: torch.nn.Module) -> CommHookState | None:
+    """The CommHookState of the sddoctor hook on `ddp_model`, or None if it has none."""
+    return getattr(ddp_model, _STATE_ATTR, None)
+
+
 def install_comm_hook(
     ddp_model: torch.nn.parallel.DistributedDataParallel, state: CommHookState | None = None
 ) -> CommHookState:
-    """Register the accounting all-reduce hook on `ddp_model` (before its first backward)."""
+    """Register the accounting all-reduce hook on `ddp_model` (before its first backward).
+
+    Returns the state the registered hook uses. If the model already carries this hook (the
+    `sddoctor run` bootstrap installs it at DDP construction), no second hook is registered: the
+    installed state is returned, and when `state` is given it takes over `state`'s counters and
+    callbacks, so use the returned object from then on.
+    """
+    installed = installed_state(ddp_model)
+    if installed is not None:
+        if state is not None and state is not installed:
+            installed.take_over(state)
+            installed.attach(ddp_model.process_group)
+        return installed
     if state is None:
         state = CommHookState(ddp_model.process_group)
     else:
         state.attach(ddp_model.process_group)
     ddp_model.register_comm_hook(state, _averaging_allreduce_hook)
+    setattr(ddp_model, _STATE_ATTR, state)
+    _live_states.add(state)
     return state
+
+
+def install(ddp_model: torch.nn.parallel.DistributedDataParallel) -> CommHookState:
+    """Install the hook on `ddp_model` once; later calls return the installed state."""
+    return install_comm_hook(ddp_model)
+
+
+_CLAIMED_ATTR = "_sddoctor_comm_hook_claimed"
+
+
+def mark_claimed(ddp_model: torch.nn.Module) -> None:
+    """Someone registered a comm hook on `ddp_model` (ddp_patch calls this from DDP's register methods)."""
+    ddp_model.__dict__[_CLAIMED_ATTR] = True
+
+
+def install_on_first_forward(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Install the hook at the model's first forward, unless a comm hook was registered by then.
+
+    The bootstrap calls this at DDP construction: a user's own comm hook (fp16 compression,
+    PowerSGD), registered after construction, must still be accepted, and DDP takes only one.
+    """
+
+    def _first_forward(module: torch.nn.Module, args: Any) -> None:
+        handle.remove()
+        if installed_state(module) is None and not module.__dict__.get(_CLAIMED_ATTR, False):
+            install(module)  # type: ignore[arg-type]
+
+    handle = ddp_model.register_forward_pre_hook(_first_forward)
+
+
+def stats() -> dict[str, Any]:
+    """Bucket counters summed over every live hooked model of this process (`collectives.ddp`)."""
+    for _ in range(3):  # a DDP constructed on another thread may change the set meanwhile
+        try:
+            states = list(_live_states)
+            break
+        except RuntimeError:
+            states = []
+    last = [s.last_bucket_t for s in states if s.last_bucket_t is not None]
+    return {
+        "buckets": sum(s.buckets for s in states),
+        "seconds": round(sum(s.seconds for s in states), 6),
+        "last_bucket_t": max(last) if last else None,
+        "models": len(states),
+    }
 
 
 def live_bucket_layout(

@@ -1,9 +1,11 @@
 """A place to act on every DistributedDataParallel right after it is constructed.
 
 `install()` wraps `DistributedDataParallel.__init__` (the class, so every way of importing it is
-covered) to call the registered post-construct callbacks with the new module. The default
-callback installs the DDP comm hook of `sddoctor.instrument.ddp_hook` when that module exists
-(`ddp_hook.install(model)`), which counts and times the gradient bucket all-reduces.
+covered) to call the registered post-construct callbacks with the new module, and DDP's comm-hook
+registration methods so that a model remembers it has a hook (sddoctor's own hook then stays off it). The default
+callback installs the DDP comm hook of `sddoctor.instrument.ddp_hook` (`ddp_hook.install(model)`),
+which counts and times the gradient bucket all-reduces; `OOMGuard` takes that hook over when it
+wraps the model (DDP allows one comm hook per model).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 PostConstruct = Callable[[Any], None]
 _callbacks: list[PostConstruct] = []
+_REGISTER_METHODS = ("register_comm_hook", "register_builtin_comm_hook")
 
 
 def add_post_construct(callback: PostConstruct) -> None:
@@ -24,14 +27,25 @@ def add_post_construct(callback: PostConstruct) -> None:
 
 
 def install_comm_hook(model: Any) -> None:
-    """Install sddoctor's DDP comm hook if this build of sddoctor has one."""
-    try:
-        from sddoctor.instrument import ddp_hook  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    install = getattr(ddp_hook, "install", None)
-    if callable(install):
-        install(model)
+    """Install sddoctor's accounting DDP comm hook at the model's first forward (see ddp_hook)."""
+    from sddoctor.instrument import ddp_hook
+
+    ddp_hook.install_on_first_forward(model)
+
+
+def _marking_registration(register: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a DDP comm-hook registration method so that the model remembers it has a hook."""
+
+    @functools.wraps(register)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = register(self, *args, **kwargs)
+        from sddoctor.instrument import ddp_hook
+
+        ddp_hook.mark_claimed(self)
+        return result
+
+    wrapper.__sddoctor_original__ = register  # type: ignore[attr-defined]
+    return wrapper
 
 
 def install(_module: Any = None) -> bool:
@@ -55,6 +69,10 @@ def install(_module: Any = None) -> bool:
 
     __init__.__sddoctor_original__ = init  # type: ignore[attr-defined]
     cls.__init__ = __init__
+    for name in _REGISTER_METHODS:
+        method = getattr(cls, name, None)
+        if method is not None and getattr(method, "__sddoctor_original__", None) is None:
+            setattr(cls, name, _marking_registration(method))
     add_post_construct(install_comm_hook)
     return True
 
@@ -67,3 +85,7 @@ def uninstall() -> None:
     original = getattr(cls.__init__, "__sddoctor_original__", None)
     if original is not None:
         cls.__init__ = original
+    for name in _REGISTER_METHODS:
+        original = getattr(getattr(cls, name, None), "__sddoctor_original__", None)
+        if original is not None:
+            setattr(cls, name, original)

@@ -231,6 +231,8 @@ class OOMGuard:
         self._optimizer_state_complete = False
         self._in_last_micro_batch = False
         self._pending: _PendingStep | None = None
+        #: the fields of the latest `fallback` event (None before the first fallback)
+        self.last_fallback: dict[str, Any] | None = None
         self.hook_state.after_last_launch = self._launch_backward_flag
         module.register_forward_pre_hook(self._on_module_forward)
         module.register_forward_hook(self._on_module_output)
@@ -523,19 +525,19 @@ class OOMGuard:
                 f"{_gib(mem['mem_reserved'])}, free {_gib(mem['mem_free'])} of {_gib(mem['mem_total'])}. "
                 f"To fit: {ADVICE}."
             )
+        self.last_fallback = {
+            "step": step,
+            "old_micro_batch": old_mb,
+            "new_micro_batch": self.micro_batch,
+            "old_grad_accum": old_ga,
+            "new_grad_accum": self.grad_accum,
+            "reason": reason,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "failed_ranks": sorted(failed),
+            "step_applied": applied,
+        }
         if self.telemetry:
-            api.event(
-                EventKind.FALLBACK,
-                step=step,
-                old_micro_batch=old_mb,
-                new_micro_batch=self.micro_batch,
-                old_grad_accum=old_ga,
-                new_grad_accum=self.grad_accum,
-                reason=reason,
-                gradient_checkpointing=self.gradient_checkpointing,
-                failed_ranks=sorted(failed),
-                step_applied=applied,
-            )
+            api.event(EventKind.FALLBACK, **self.last_fallback)
 
     def _reset_after_failure(self, rewrap: bool) -> None:
         """Drop gradients (and the DDP wrapper), free memory, wrap again."""
@@ -568,7 +570,9 @@ class OOMGuard:
                     "OOMGuard does not support DDP(find_unused_parameters=True) yet (its extra all-reduce "
                     "cannot be completed by a failed rank); use find_unused_parameters=False"
                 )
-            install_comm_hook(model, self.hook_state)
+            # Under `sddoctor run` the bootstrap already hooked this wrapper (one comm hook per
+            # DDP model): install_comm_hook then hands back that hook's state, which takes over ours.
+            self.hook_state = install_comm_hook(model, self.hook_state)
             model.register_forward_pre_hook(self._on_ddp_forward)
         return model
 

@@ -1,0 +1,108 @@
+"""The DDP comm hook as the bootstrap installs it, next to a user's hook and the OOM guard.
+
+Two real gloo ranks with `ddp_patch` active (as under `sddoctor run`): the bootstrap's hook arrives
+at the first forward and counts buckets (`ddp_hook.stats()`), a user's own comm hook registered
+after construction is accepted (sddoctor's then stays off), and the OOM guard both wraps a model
+built under the patch and takes over a hook that was installed before it (its fault injection and
+recovery run through the taken-over hook).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO_ROOT, subprocess_env
+
+WORKER = r"""
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from sddoctor.instrument import ddp_hook, ddp_patch
+from sddoctor.instrument.faults import parse_faults
+from sddoctor.instrument.oom_guard import OOMGuard
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+ddp_patch.install()
+from torch.nn.parallel import DistributedDataParallel as DDP
+out = {}
+
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+def step(model, n=4):
+    model(torch.randn(n, 8)).sum().backward()
+
+# 1) the bootstrap's hook: installed at the first forward, idempotent, counted
+plain = DDP(net())
+out["before_forward"] = ddp_hook.installed_state(plain) is not None
+step(plain)
+state = ddp_hook.installed_state(plain)
+out["installed"] = state is not None and ddp_hook.install(plain) is state
+out["stats"] = ddp_hook.stats()
+
+# 2) a user's own hook after construction is accepted; sddoctor's stays off that model
+user = DDP(net())
+user.register_comm_hook(None, default_hooks.allreduce_hook)
+step(user)
+out["user_hook_kept"] = ddp_hook.installed_state(user) is None
+
+# 3) the guard wraps a model built while the patch is active
+module = net()
+guard = OOMGuard(module, wrap=lambda m: DDP(m), optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                 micro_batch=4, faults=[])
+for s in range(2):
+    guard.run_step({"x": torch.randn(4, 8)}, lambda m, mb, k: (m(mb["x"]).sum() * k).backward() or torch.zeros(()),
+                   guard.optimizer.step, step=s)
+guard.settle()
+out["guard_hooked"] = ddp_hook.installed_state(guard.model) is guard.hook_state
+
+# 4) the guard takes over a hook installed before it wrapped (one comm hook per DDP model);
+#    the injected backward OOM fires from the taken-over hook and every rank falls back
+def installed_early(m):
+    ddp = DDP(m)
+    ddp_hook.install(ddp)
+    return ddp
+
+module = net()
+guard = OOMGuard(module, wrap=installed_early, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                 micro_batch=4, faults=parse_faults("oom:rank=1,step=1,phase=backward,bucket=0"))
+for s in range(3):
+    guard.run_step({"x": torch.randn(4, 8)}, lambda m, mb, k: (m(mb["x"]).sum() * k).backward() or torch.zeros(()),
+                   guard.optimizer.step, step=s)
+guard.settle()
+out["taken_over"] = ddp_hook.installed_state(guard.model) is guard.hook_state
+out["micro_batch"] = guard.micro_batch
+out["guard_buckets"] = guard.stats()["buckets"]
+out["params"] = [float(p.sum()) for p in module.parameters()]
+json.dump(out, open(sys.argv[1] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_bootstrap_hook_user_hook_and_guard_take_over(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run(
+        [*cmd, str(script), str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for out in ranks:
+        assert out["before_forward"] is False and out["installed"] is True
+        assert out["stats"]["buckets"] >= 1 and out["stats"]["models"] >= 1
+        assert out["user_hook_kept"] is True
+        assert out["guard_hooked"] is True and out["taken_over"] is True
+        assert out["micro_batch"] == 2  # the fault fired through the taken-over hook; both ranks fell back
+        assert out["guard_buckets"] >= 3
+    assert ranks[0]["params"] == ranks[1]["params"]
