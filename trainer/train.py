@@ -529,7 +529,7 @@ class Trainer:
             unet.enable_gradient_checkpointing()
             self.log("gradient checkpointing on: the OOM guard had turned it on before the checkpoint")
         guard = self.build_guard(
-            model, wrap, optimizer, [lr_scheduler, scaler, ema], guard_turned_on_checkpointing
+            model, unet, wrap, optimizer, [lr_scheduler, scaler, ema], guard_turned_on_checkpointing
         )
         micro_batch, grad_accum = cfg.train.micro_batch, cfg.train.grad_accum
         if guard is not None:
@@ -780,6 +780,7 @@ class Trainer:
     def build_guard(
         self,
         model: torch.nn.Module,
+        unet: torch.nn.Module,
         wrap: Any,
         optimizer: torch.optim.Optimizer,
         extra_state: list[Any],
@@ -803,7 +804,7 @@ class Trainer:
             and not cfg.model.gradient_checkpointing
             and not checkpointing_on
         )
-        unet = getattr(model, "_orig_mod", model)  # torch.compile keeps the module here
+        # `model` may be compiled or wrapped to cast inputs to bf16: checkpointing is the UNet's own switch.
         return OOMGuard(
             model,
             wrap=wrap,
