@@ -98,7 +98,7 @@ def test_ddp_sweep_plans_every_bucket_and_view_and_log_interval_divides_the_wind
 
 
 def test_flop_count_matches_the_sd2_anchor_within_five_percent():
-    # DESIGN.md: 2.47 TFLOP per image for SD2-base fwd+bwd at 512 px (meta device: no memory)
+    # a published 2.47 TFLOP per image for SD2-base fwd+bwd at 512 px (meta device: no memory)
     assert bench.unet_flops_per_image("sd2-base", 512) / 1e12 == pytest.approx(2.47, rel=0.05)
 
 

@@ -52,7 +52,7 @@ _FP32 = {"model.unet_dtype": "fp32"}
 VARIANTS: dict[str, dict[str, Any]] = {
     # the trainer as it comes: nothing but the common settings
     "default": {},
-    # DESIGN.md's anchor: cached latents + embeddings, channels_last, fused AdamW
+    # the earlier 97.8 images/s anchor: cached latents + embeddings, channels_last, fused AdamW
     "cached": {"data.cache": True, "model.channels_last": True, "optim.fused": "true", **_FP32},
     "compiled": {
         "data.cache": True,

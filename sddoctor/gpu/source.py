@@ -1,6 +1,6 @@
 """GPU sources: the `GpuSource` protocol and `NvmlSource`, which reads NVML through pynvml.
 
-Cost per sample (H200 figures in DESIGN.md): the per-GPU reads used here take 1-26 us each,
+Cost per sample (measured on an H200): the per-GPU reads used here take 1-26 us each,
 so a round over 8 GPUs stays under a millisecond of NVML time. PCIe throughput blocks for a
 20 ms window per direction, so it never runs in `sample()`: a `PcieSampler` thread reads it
 at a lower rate and `sample()` only copies its latest figures. Process utilization and total

@@ -27,7 +27,7 @@ VERDICT_KINDS = (
 
 @dataclass
 class Verdict:
-    """One finding of the diagnosis (the dict form is the contract in TEAM.md / docs/run.md)."""
+    """One finding of the diagnosis (the dict form is documented in docs/run.md)."""
 
     kind: str
     severity: str  # "error" | "warning" | "info"
