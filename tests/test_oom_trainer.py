@@ -118,7 +118,7 @@ def test_resume_after_a_fallback_keeps_the_smaller_micro_batch(faulted) -> None:
 def test_find_unused_parameters_turns_the_guard_off_with_a_warning(capsys) -> None:
     trainer = Trainer(build_config("tiny", None, ["ddp.find_unused_parameters=true"]))
     trainer.dist = Dist(rank=0, local_rank=0, world_size=2, device=None, backend="gloo")  # type: ignore[arg-type]
-    assert trainer.build_guard(None, None, None, [], False) is None  # type: ignore[arg-type]
+    assert trainer.build_guard(None, None, None, None, [], False) is None  # type: ignore[arg-type]
     assert "OOM guard off" in capsys.readouterr().out
 
 
