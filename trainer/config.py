@@ -172,6 +172,24 @@ DIGIT_PROMPTS = [
 ]
 
 #: What each preset changes on top of the dataclass defaults (dotted keys, like --set).
+
+
+def _sd_settings() -> dict[str, Any]:
+    """Training settings shared by the full-size presets (a fresh dict each: the list is not shared)."""
+    return {
+        "data.resolution": 512,
+        "data.cache": True,
+        "data.num_workers": 2,
+        "model.unet_dtype": "auto",
+        "train.micro_batch": 4,
+        "train.mixed_precision": "auto",
+        "train.ema_decay": 0.9999,
+        "optim.lr": 1e-5,
+        "optim.warmup_steps": 100,
+        "sample.prompts": ["a photo of an astronaut riding a horse"],
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model.vae_warmup_steps": 200,
@@ -191,30 +209,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sample.steps": 20,
         "sample.guidance_scale": 3.0,
     },
-    "sd15": {
-        "data.resolution": 512,
-        "data.cache": True,
-        "data.num_workers": 2,
-        "model.unet_dtype": "auto",
-        "train.micro_batch": 4,
-        "train.mixed_precision": "auto",
-        "train.ema_decay": 0.9999,
-        "optim.lr": 1e-5,
-        "optim.warmup_steps": 100,
-        "sample.prompts": ["a photo of an astronaut riding a horse"],
-    },
-    "sd2-base": {
-        "data.resolution": 512,
-        "data.cache": True,
-        "data.num_workers": 2,
-        "model.unet_dtype": "auto",
-        "train.micro_batch": 4,
-        "train.mixed_precision": "auto",
-        "train.ema_decay": 0.9999,
-        "optim.lr": 1e-5,
-        "optim.warmup_steps": 100,
-        "sample.prompts": ["a photo of an astronaut riding a horse"],
-    },
+    "sd15": _sd_settings(),
+    "sd2-base": _sd_settings(),
 }
 
 
