@@ -24,6 +24,20 @@ def test_memory_saver_sets_its_keys_unless_given_explicitly():
     }
 
 
+def test_every_bench_variant_is_a_valid_trainer_config():
+    from trainer.bench import VARIANTS
+
+    for name, settings in VARIANTS.items():
+        flags = [
+            f"{key}={json.dumps(value) if isinstance(value, bool) else value}"
+            for key, value in settings.items()
+        ]
+        cfg = build_config("sd2-base", None, flags)
+        assert cfg is not None, name
+    off = build_config("sd2-base", None, ["train.trace_collectives=false", "train.oom_guard=false"])
+    assert not off.train.trace_collectives and not off.train.oom_guard
+
+
 def test_bad_precision_values_are_config_errors():
     with pytest.raises(ConfigError, match="model.unet_dtype"):
         build_config("tiny", None, ["model.unet_dtype=fp8"])

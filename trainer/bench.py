@@ -52,6 +52,9 @@ _FP32 = {"model.unet_dtype": "fp32"}
 VARIANTS: dict[str, dict[str, Any]] = {
     # the trainer as it comes: nothing but the common settings
     "default": {},
+    # the same without collective tracing and the OOM guard (telemetry stays: the bench reads it),
+    # for the instrumentation's on/off cost: run it next to `default` at the same batch
+    "uninstrumented": {"train.trace_collectives": False, "train.oom_guard": False},
     # the earlier 97.8 images/s anchor: cached latents + embeddings, channels_last, fused AdamW
     "cached": {"data.cache": True, "model.channels_last": True, "optim.fused": "true", **_FP32},
     "compiled": {

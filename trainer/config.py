@@ -88,6 +88,9 @@ class TrainConfig:
     accumulation (same global batch) and redoes the step (sddoctor.instrument.oom_guard)."""
     oom_fallback_checkpointing: bool = True
     """When micro-batch 1 still runs out of memory, turn on gradient checkpointing before giving up."""
+    trace_collectives: bool = True
+    """Trace torch.distributed collectives and run the heartbeat (sddoctor.instrument). Telemetry
+    (step events, state) stays on either way; under `sddoctor run` tracing is on from the start."""
 
 
 @dataclass

@@ -298,6 +298,7 @@ class Trainer:
         telemetry_dir = os.environ.get(RUN_DIR_ENV) or str(self.out_dir)
         sdi.enable(
             telemetry_dir,
+            trace=cfg.train.trace_collectives,
             rank=self.dist.rank,
             local_rank=self.dist.local_rank,
             world_size=self.dist.world_size,

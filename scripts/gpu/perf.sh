@@ -27,6 +27,12 @@ timeout -k 15 375 python3 -m trainer.bench --preset sd2-base --warmup 5 --steps 
     --budget 305 --timeout 200 --workdir "$WORK/table" --out "$OUT/perf/bench.json"
 echo "bench exit code $?" | tee -a "$OUT/perf/gpu.txt"
 
+# (1b) instrumentation on vs off on the real trainer (tracing + OOM guard), interleaved.
+timeout -k 10 200 python3 -m trainer.bench --preset sd2-base --warmup 5 --steps 15 \
+    --cases default@32,uninstrumented@32,default@32,uninstrumented@32 \
+    --timeout 60 --workdir "$WORK/onoff" --out "$OUT/perf/onoff.json"
+echo "on/off exit code $?" | tee -a "$OUT/perf/gpu.txt"
+
 # (2) largest memory-saver batch that fits a 24 GiB card (allocator capped at 23 GiB), 4 probes.
 timeout -k 10 130 python3 -m trainer.bench --preset sd2-base --cases none --find-max-batch 24 \
     --max-batch-variant saver --max-batch-start 8 --max-probes 4 --timeout 60 --workdir "$WORK/maxbatch" --out "$OUT/perf/maxbatch.json"
