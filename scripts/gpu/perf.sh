@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Trainer speed and memory on ONE CUDA GPU, SD2-base architecture (random weights), 512 px, bf16:
-# about 8.5 minutes in all. Run from the repository root.
+# about 12 minutes in all; PERF_TABLE=0, PERF_ONOFF=0 or PERF_MAXBATCH=0 leave a section out
+# (scripts/gpu/all.sh runs them as parts of under ten minutes each). Run from the repository root.
 #   $OUT/perf/bench.json, bench.json.txt      the table: reference loop vs trainer variants
 #   $OUT/perf/maxbatch.json, maxbatch.json.txt  largest memory-saver batch under a 24 GiB card
 #   $OUT/perf/gpu.txt                          GPU, driver, torch/diffusers versions
@@ -22,21 +23,27 @@ python3 -c "import torch, diffusers, transformers; print('torch', torch.__versio
 #   best@B        + torch.compile of the UNet (bf16 weights, cached latents, channels_last)
 #   saver@4       train.memory_saver=true (goal: under 12 GiB)
 #   cached@32     the earlier anchor (97.8 images/s at batch 32): fp32 UNet under autocast, cached latents, channels_last, fused AdamW
+if [ "${PERF_TABLE:-1}" = 1 ]; then
 timeout -k 15 375 python3 -m trainer.bench --preset sd2-base --warmup 5 --steps 15 \
     --cases reference@32,default@32,best@48,saver@4,reference@16,default@16,cached@32,default@48,best@32 \
     --budget 305 --timeout 200 --workdir "$WORK/table" --out "$OUT/perf/bench.json"
 echo "bench exit code $?" | tee -a "$OUT/perf/gpu.txt"
+fi
 
 # (1b) instrumentation on vs off on the real trainer (tracing + OOM guard), interleaved.
+if [ "${PERF_ONOFF:-1}" = 1 ]; then
 timeout -k 10 200 python3 -m trainer.bench --preset sd2-base --warmup 5 --steps 15 \
     --cases default@32,uninstrumented@32,default@32,uninstrumented@32 \
     --timeout 60 --workdir "$WORK/onoff" --out "$OUT/perf/onoff.json"
 echo "on/off exit code $?" | tee -a "$OUT/perf/gpu.txt"
+fi
 
 # (2) largest memory-saver batch that fits a 24 GiB card (allocator capped at 23 GiB), 4 probes.
+if [ "${PERF_MAXBATCH:-1}" = 1 ]; then
 timeout -k 10 130 python3 -m trainer.bench --preset sd2-base --cases none --find-max-batch 24 \
     --max-batch-variant saver --max-batch-start 8 --max-probes 4 --timeout 60 --workdir "$WORK/maxbatch" --out "$OUT/perf/maxbatch.json"
 echo "max-batch exit code $?" | tee -a "$OUT/perf/gpu.txt"
+fi
 
-cp "$WORK"/table/*.log "$WORK"/maxbatch/*.log "$OUT/perf/logs/" 2>/dev/null
-cat "$OUT/perf/bench.json.txt" "$OUT/perf/maxbatch.json.txt" 2>/dev/null
+cp "$WORK"/*/*.log "$OUT/perf/logs/" 2>/dev/null
+cat "$OUT"/perf/*.json.txt 2>/dev/null
