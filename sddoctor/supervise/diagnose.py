@@ -792,13 +792,18 @@ def totals_timing(rank: RankState, since: float | None = None) -> dict[str, floa
     count = n1 - n0
     if count < 3 or t1 <= t0:
         return None
-    period = (t1 - t0) / count
-    inside = max(0.0, sec1 - sec0) / count
+    return _per_unit(t1 - t0, sec1 - sec0, count, len(samples))
+
+
+def _per_unit(elapsed: float, seconds_inside: float, units: int, samples: int) -> dict[str, float]:
+    """Period, time inside collectives and compute (period - inside) per unit (collective or step)."""
+    period = elapsed / units
+    inside = max(0.0, seconds_inside) / units
     return {
         "period": period,
         "inside": inside,
         "compute": max(0.0, period - inside),
-        "samples": float(len(samples)),
+        "samples": float(samples),
     }
 
 
@@ -812,14 +817,7 @@ def ddp_timing(rank: RankState, since: float | None = None) -> dict[str, float] 
     steps = step1 - step0
     if steps <= 0 or t1 <= t0:
         return None
-    period = (t1 - t0) / steps
-    inside = max(0.0, sec1 - sec0) / steps
-    return {
-        "period": period,
-        "inside": inside,
-        "compute": max(0.0, period - inside),
-        "samples": float(len(samples)),
-    }
+    return _per_unit(t1 - t0, sec1 - sec0, steps, len(samples))
 
 
 def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
