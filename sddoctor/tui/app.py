@@ -17,6 +17,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, Static
 
@@ -272,11 +273,16 @@ class MonitorApp(App[None]):
         if self.snapshot is None:
             return
         self.overview = Overview.build(self.snapshot, self.report or RankReport())
-        self._render_host()
-        self._render_gpus()
-        self._render_processes()
-        self._render_ranks()
-        self._render_alerts()
+        try:
+            self._render_host()
+            self._render_gpus()
+            self._render_processes()
+            self._render_ranks()
+            self._render_alerts()
+        except NoMatches:
+            # A sample delivered by a worker while the main screen's widgets are not mounted (the
+            # app is starting or shutting down): nothing to draw on; the next sample redraws.
+            pass
 
     def _render_host(self) -> None:
         ov = self.overview
