@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import DataConfig
+from trainer.step_profile import parse_steps
 
 
 class ConfigError(ValueError):
@@ -91,6 +92,9 @@ class TrainConfig:
     trace_collectives: bool = True
     """Trace torch.distributed collectives and run the heartbeat (sddoctor.instrument). Telemetry
     (step events, state) stays on either way; under `sddoctor run` tracing is on from the start."""
+    profile_steps: str = ""
+    """FIRST-LAST (1-based, e.g. 11-13): record these steps with torch.profiler and write where the
+    time went, by kind of kernel, to OUTPUT_DIR/profile/ (trainer.step_profile); empty: off."""
 
 
 @dataclass
@@ -431,6 +435,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'train.caption_dropout' must be in [0, 1)")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
+    try:
+        parse_steps(cfg.train.profile_steps)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def get_key(cfg: Config, key: str) -> Any:

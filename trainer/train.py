@@ -54,6 +54,7 @@ from trainer.optim import EMA, build_lr_scheduler, build_optimizer
 from trainer.progress import ProgressLine, StepReporter, memory_bytes
 from trainer.sample import ema_weights, sample_grid, save_grid
 from trainer.step import batch_size, run_step
+from trainer.step_profile import StepProfiler, parse_steps
 from trainer.vae_fit import fit_vae
 
 EXIT_OK = 0
@@ -687,6 +688,9 @@ class Trainer:
             f"| output {self.out_dir} | setup {time.time() - start_time:.1f}s"
         )
         first_loss: float | None = None
+        profiler = StepProfiler(
+            parse_steps(cfg.train.profile_steps), self.out_dir / "profile", d.rank, device
+        )
         epoch = sampler.epoch
         data_iter = None
         last_end = time.perf_counter()
@@ -705,6 +709,7 @@ class Trainer:
             batch = objective.prepare(raw)
             data_wait = time.perf_counter() - wait_start  # host time waiting for the loader
             samples_in_step = batch_size(batch)
+            profiler.before_step(step + 1)
             if guard is not None:
                 # Numbered as its step event will be (1-based), as SDDOCTOR_FAULT's step= counts.
                 result = guard.run_step(batch, objective.forward_backward, optimizer_step, step + 1)
@@ -723,6 +728,10 @@ class Trainer:
             loss_window += result.loss
             window_steps += 1
             mem_alloc, mem_peak = memory_bytes(device)
+            profiler.after_step(step)
+            if profiler.written is not None and d.rank == 0:
+                self.log(f"profile of steps {cfg.train.profile_steps}: {profiler.written}")
+                profiler.written = None
             reporter.push(
                 step,
                 result.loss,
