@@ -112,3 +112,27 @@ def test_state_dict_round_trip_keeps_fp32_master_and_moments():
     _train(twin, fresh, x, y, steps=2)
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_matches_the_foreach_update(dtype: torch.dtype) -> None:
+    """The fused AdamW kernel (CUDA's default, forced here on the CPU) against the foreach chain."""
+    (a, x, y), (b, _, _) = _problem(), _problem()
+    a.to(dtype)
+    b.to(dtype)
+    kw = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, chunk_elements=100)
+    foreach = MixedPrecisionAdamW(a.parameters(), fused=False, **kw)
+    fused = MixedPrecisionAdamW(b.parameters(), fused=True, **kw)
+    _train(a, foreach, x, y, steps=20)
+    _train(b, fused, x, y, steps=19)
+    loss = torch.nn.functional.mse_loss(b(x.to(dtype)).float(), y)
+    loss.backward()
+    grads = [p.grad.clone() for p in b.parameters()]
+    fused.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(b.parameters(), grads, strict=True))  # .grad untouched
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(
+                foreach.state[pa]["master"], fused.state[pb]["master"], rtol=1e-5, atol=1e-6
+            )

@@ -108,3 +108,13 @@ def test_help_documents_exit_codes():
     result = _run_trainer("--help")
     assert result.returncode == 0
     assert "exit codes:" in result.stdout and "2    bad input" in result.stdout
+
+
+def test_compile_switch_takes_toml_booleans_and_auto(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\ncompile = true\n")
+    assert build_config(config_file=str(toml)).model.compile == "true"
+    assert build_config(preset="sd2-base").model.compile == "auto"
+    assert build_config(preset="tiny").model.compile == "false"
+    with pytest.raises(ConfigError, match="model.compile"):
+        build_config(overrides=["model.compile=sometimes"])

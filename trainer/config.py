@@ -43,8 +43,9 @@ class ModelConfig:
     """epsilon | v_prediction; empty keeps the noise scheduler's own setting."""
     gradient_checkpointing: bool = False
     channels_last: bool = True
-    compile: bool = False
-    """torch.compile the UNet (first steps are slow while it compiles)."""
+    compile: str = "false"
+    """true | false | auto (true when training on CUDA; the SD presets' setting): torch.compile the
+    UNet. The first steps are slow while it compiles (about two minutes for SD2-base)."""
     compile_mode: str = ""
     """torch.compile mode: '' (default) | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs."""
     unet_dtype: str = "fp32"
@@ -188,6 +189,7 @@ def _sd_settings() -> dict[str, Any]:
         "data.cache": True,
         "data.num_workers": 2,
         "model.unet_dtype": "auto",
+        "model.compile": "auto",
         "train.micro_batch": 4,
         "train.mixed_precision": "auto",
         "train.ema_decay": 0.9999,
@@ -390,6 +392,8 @@ def convert(value: Any, hint: Any, from_text: bool) -> Any:
     if hint is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # a switch that also takes "auto": TOML's true/false mean the same
+            return "true" if value else "false"
         if from_text:
             return str(value)
         raise TypeError("expected a string")
@@ -413,6 +417,7 @@ _CHOICES = {
     "ddp.backend": ("auto", "nccl", "gloo"),
     "model.prediction_type": ("", "epsilon", "v_prediction"),
     "model.unet_dtype": ("fp32", "bf16", "auto"),
+    "model.compile": ("true", "false", "auto"),
     "model.compile_mode": ("", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "optim.state_dtype": ("fp32", "bf16"),
 }

@@ -17,8 +17,12 @@ decides what precision the update has:
 For fp32 parameters with fp32 state it is plain AdamW (decoupled weight decay), and matches
 `torch.optim.AdamW` to rounding (tests/test_perf_memory.py).
 
-The update runs with torch._foreach ops over chunks of tensors, so its fp32 temporaries are
-bounded by `chunk_elements` rather than by the model size.
+The update runs over chunks of tensors, so its fp32 temporaries (the gradients cast to fp32) are
+bounded by `chunk_elements` rather than by the model size. With fp32 moments and a master copy
+(the default) each chunk is one call of torch's fused AdamW kernel on the master copy (`fused`,
+on by default on CUDA): on SD2-base it replaces a chain of eight multi-tensor passes over the
+fp32 state that cost 23 ms per step on an H200. Otherwise the update is a chain of torch._foreach
+ops, which also handles bf16 moments and stochastic rounding.
 
 `CastInputs` wraps a bf16 UNet so that the fp32 latents the objective builds enter it in bf16
 (a bf16 convolution refuses fp32 input); autocast is then off for the UNet.
@@ -63,6 +67,7 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.float32,
         stochastic_rounding: bool = True,
         chunk_elements: int = 1 << 25,
+        fused: bool | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(
@@ -76,6 +81,8 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.stochastic_rounding = stochastic_rounding
         self.chunk_elements = chunk_elements
+        #: None: the fused kernel on CUDA where torch has it; True/False: always/never where it applies
+        self.fused = fused
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but state tensors keep their own dtype (torch casts them to the parameter's:
@@ -132,11 +139,65 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
             step = states[id(params[0])]["step"]
             bias1 = 1 - beta1**step
             bias2_sqrt = math.sqrt(1 - beta2**step)
+            fused = self._fused_applies(params, states)
+            step_tensors: dict[torch.device, torch.Tensor] = {}
             for chunk in self._chunks(params):
-                self._update(
-                    chunk, [states[id(p)] for p in chunk], lr, beta1, beta2, eps, wd, bias1, bias2_sqrt
-                )
+                chunk_states = [states[id(p)] for p in chunk]
+                if fused:
+                    device = chunk[0].device
+                    if device not in step_tensors:
+                        step_tensors[device] = torch.tensor(float(step), dtype=torch.float32, device=device)
+                    self._fused_update(chunk, chunk_states, step_tensors[device], lr, beta1, beta2, eps, wd)
+                else:
+                    self._update(chunk, chunk_states, lr, beta1, beta2, eps, wd, bias1, bias2_sqrt)
         return loss
+
+    def _fused_applies(self, params: list[torch.Tensor], states: dict[int, dict[str, Any]]) -> bool:
+        """fp32 moments and fp32 weights to update (a master copy or fp32 parameters), one device
+        type, a torch with the fused kernel, and the kernel asked for (or CUDA, by default)."""
+        if self.fused is False or self.state_dtype != torch.float32 or not hasattr(torch, "_fused_adamw_"):
+            return False
+        if any("master" not in states[id(p)] and p.dtype != torch.float32 for p in params):
+            return False
+        device_types = {p.device.type for p in params}
+        if len(device_types) != 1:
+            return False
+        return self.fused is True or device_types == {"cuda"}
+
+    def _fused_update(
+        self,
+        params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        step: torch.Tensor,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        wd: float,
+    ) -> None:
+        """torch's fused AdamW on the fp32 weights, then the bf16 parameters rounded from them."""
+        weights = [s.get("master", p) for p, s in zip(params, states, strict=True)]
+        # The kernel wants one dtype across its lists; it may also write into the gradients it is
+        # given, so bf16 gradients go in as fp32 copies and the parameters' own .grad stays intact.
+        grads = [p.grad.float() if p.grad.dtype != torch.float32 else p.grad.clone() for p in params]  # type: ignore[union-attr]
+        torch._fused_adamw_(
+            weights,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [step] * len(params),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=wd,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        rounded = [(p, w) for p, w in zip(params, weights, strict=True) if w is not p]
+        if rounded:
+            _copy_all([p for p, _ in rounded], [w for _, w in rounded])
 
     def _update(
         self,

@@ -486,7 +486,10 @@ class Trainer:
 
         # Optimizer, schedule, EMA, loss scaler; then the DDP wrapper (built by the OOM guard).
         unet.train()
-        model = torch.compile(unet, mode=cfg.model.compile_mode or None) if cfg.model.compile else unet
+        compile_unet = cfg.model.compile == "true" or (cfg.model.compile == "auto" and device.type == "cuda")
+        if compile_unet:
+            self.log("compiling the UNet with torch.compile: the first steps take a few minutes")
+        model = torch.compile(unet, mode=cfg.model.compile_mode or None) if compile_unet else unet
         if unet_bf16:
             model = CastInputs(model, torch.bfloat16)
         params = [p for p in unet.parameters() if p.requires_grad]
@@ -499,6 +502,7 @@ class Trainer:
                 weight_decay=cfg.optim.weight_decay,
                 master_weights=cfg.optim.master_weights,
                 state_dtype=torch.bfloat16 if cfg.optim.state_dtype == "bf16" else torch.float32,
+                fused=None if cfg.optim.fused == "auto" else cfg.optim.fused == "true",
             )
         else:
             optimizer = build_optimizer(params, cfg.optim, device)
