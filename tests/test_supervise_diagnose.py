@@ -453,6 +453,36 @@ def test_fresh_oom_waits_for_the_fallback_while_the_rank_lives() -> None:
     assert [(v.kind, v.culprit_rank) for v in diagnose(state)] == [("oom", 1)]
 
 
+def test_straggler_location_is_where_the_others_wait_not_the_busiest_call_site() -> None:
+    """Per step: one collective right after the slow part ("a.py:1") and three cheap ones after it
+    ("b.py:2", the most frequent call site); rank 1 is slow before a.py:1 only."""
+
+    def stepping(r: int, slow: float) -> RankState:
+        arrivals, t, seq = {}, NOW - 30.0, 0
+        for _ in range(12):
+            t += 0.05 + slow
+            arrivals[seq] = Arrival(enqueue=t, caller="a.py:1", duration=0.01)
+            seq += 1
+            for _ in range(3):
+                t += 0.02
+                arrivals[seq] = Arrival(enqueue=t, caller="b.py:2", duration=0.01)
+                seq += 1
+        return RankState(rank=r, state={"t": NOW}, alive=True, arrivals={"0": arrivals})
+
+    # Under DDP the fast rank waits inside a.py:1, so its period matches the slow rank's: model its
+    # arrivals at a.py:1 as the slow part's length earlier than rank 1's, with the wait inside it.
+    fast, slow = stepping(0, 0.0), stepping(1, 0.6)
+    for seq, a in fast.arrivals["0"].items():
+        b = slow.arrivals["0"][seq]
+        if a.caller == "a.py:1":
+            a.enqueue, a.duration = b.enqueue - 0.6, 0.61
+        else:
+            a.enqueue = b.enqueue
+    state = RunState(now=NOW, started=0.0, ranks={0: fast, 1: slow}, last_progress=NOW, straggler_ratio=2.0)
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert (v.culprit_rank, v.location) == (1, "a.py:1")
+
+
 def ddp_rank(r: int, wait_per_step: float, period: float = 0.5, n: int = 10) -> RankState:
     """A DDP rank with only comm-hook counters: one step per `period`, `wait_per_step` inside buckets."""
     samples = [(NOW - 20 + i * period, 4.0 * i, wait_per_step * i, float(i)) for i in range(n)]

@@ -852,13 +852,7 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
         return []
     rank = state.ranks[slow]
     last_arrivals = _last_arrival_counts(state)
-    # Where it arrives late: the call site it most often enters collectives from.
-    callers: dict[str, int] = {}
-    for sightings in rank.arrivals.values():
-        for a in sightings.values():
-            if a.caller and a.enqueue >= since:
-                callers[a.caller] = callers.get(a.caller, 0) + 1
-    location = max(callers, key=lambda c: callers[c]) if callers else _where(rank)[0]
+    location = _where_others_wait(state, slow, since) or _most_used_call_site(rank, since) or _where(rank)[0]
     others_text = (
         f"{ratio:.1f}x the others ({other_compute:.3f} s)"
         if other_compute >= 0.01
@@ -893,6 +887,41 @@ def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
             )
             location = location or fault.get("caller")
     return [Verdict("straggler", "warning", summary, slow, location, details, evidence)]
+
+
+def _where_others_wait(state: RunState, slow: int, since: float) -> str | None:
+    """The straggler's call site of the collectives the others waited longest in for it.
+
+    Sums, per call site of the straggler, how much later it entered than the others (median) over
+    the collectives sighted on every live rank: a trainer issues several collectives per step, and
+    the one right after the slow part is where the waiting happens, not the most frequent one.
+    """
+    live = [r for r in state.ranks.values() if not r.exited]
+    me = state.ranks[slow]
+    others = [r for r in live if r.rank != slow]
+    if me not in live or not others:
+        return None
+    waits: dict[str, float] = {}
+    for pg, sightings in me.arrivals.items():
+        for seq, mine in sightings.items():
+            if not mine.caller or mine.enqueue < since:
+                continue
+            theirs = [r.arrivals.get(pg, {}).get(seq) for r in others]
+            if any(a is None for a in theirs):
+                continue
+            late = mine.enqueue - median(a.enqueue for a in theirs if a is not None)
+            if late > 0:
+                waits[mine.caller] = waits.get(mine.caller, 0.0) + late
+    return max(waits, key=lambda c: waits[c]) if waits else None
+
+
+def _most_used_call_site(rank: RankState, since: float) -> str | None:
+    callers: dict[str, int] = {}
+    for sightings in rank.arrivals.values():
+        for a in sightings.values():
+            if a.caller and a.enqueue >= since:
+                callers[a.caller] = callers.get(a.caller, 0) + 1
+    return max(callers, key=lambda c: callers[c]) if callers else None
 
 
 def _last_arrival_counts(state: RunState) -> dict[int, int]:
