@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -96,6 +97,41 @@ def test_no_nvml_is_a_note_not_an_error():
     assert not src.available and "Shared Library" in (src.note or "")
     snap = Collector(src, FixedHost()).sample()
     assert snap.gpus == [] and not snap.nvml_available and snap.host.hostname == "node0"
+
+
+def test_open_in_background_returns_at_once_and_sampling_waits_for_it():
+    opening = threading.Event()
+
+    class SlowDriver(FakeNvml):
+        def nvmlDeviceGetCount(self):  # noqa: N802 - pynvml's name
+            opening.wait(10)  # the driver is still initialising
+            return super().nvmlDeviceGetCount()
+
+    set_nvml_for_tests(SlowDriver(demo_gpus(2, [[], []]), driver="570.86"))
+    src = NvmlSource(pcie_interval=0, open_in_background=True)
+    sampled: list[list] = []
+    sampler = threading.Thread(target=lambda: sampled.append(src.sample()))
+    sampler.start()
+    sampler.join(0.2)
+    assert sampler.is_alive() and not sampled  # waits for the opening instead of returning no GPUs
+    opening.set()
+    sampler.join(10)
+    assert [g.index for g in sampled[0]] == [0, 1]
+    assert src.available and src.device_count == 2 and src.driver_version == "570.86"
+
+
+def test_open_in_background_without_nvml_gives_the_note():
+    set_nvml_for_tests(None, "NVML could not start (NVML Shared Library Not Found): no NVIDIA driver")
+    src = NvmlSource(open_in_background=True)
+    assert src.sample() == [] and not src.available and "Shared Library" in (src.note or "")
+
+
+def test_no_pcie_thread_starts_after_close():
+    set_nvml_for_tests(FakeNvml([FakeGpu(pcie_kb=(1, 1))]))
+    src = NvmlSource(pcie_interval=0.05)
+    src.close()  # the app quit before its sampling thread got to start the PCIe reader
+    src.start_background()
+    assert src._pcie is None
 
 
 def test_collector_fills_process_host_side_and_history():

@@ -8,7 +8,11 @@ import time
 import pytest
 from tui_fixtures import DEMO_PIDS, demo_collector, demo_feed, frozen_clock, write_demo_run
 
+from sddoctor.gpu.collector import Collector
+from sddoctor.gpu.fake_nvml import FakeGpu, FakeNvml
+from sddoctor.gpu.host import FixedHost
 from sddoctor.gpu.nvml import set_nvml_for_tests
+from sddoctor.gpu.source import NvmlSource
 from sddoctor.tui.app import HelpScreen, MonitorApp, RankScreen
 
 pytestmark = pytest.mark.asyncio
@@ -142,3 +146,27 @@ async def test_mouse_click_selects_then_opens_a_rank(demo_run):
         assert ranks.cursor_row == 1 and not isinstance(app.screen, RankScreen)
         await pilot.click("#ranks", offset=(3, 3))
         assert isinstance(app.screen, RankScreen) and app.screen.rank.rank == 1
+
+
+async def test_pcie_reader_starts_after_the_first_sample_is_shown():
+    fake = FakeNvml([FakeGpu(pcie_kb=(2000, 500))])
+    set_nvml_for_tests(fake)
+    collector = Collector(NvmlSource(pcie_interval=0.02, open_in_background=True), FixedHost())
+    app = MonitorApp(collector, None, interval=0.02)
+    pcie_calls_at_first_frame = []
+    show = app._on_snapshot
+
+    def on_snapshot(snap):
+        if not pcie_calls_at_first_frame:
+            pcie_calls_at_first_frame.append(fake.calls.get("pcie", 0))
+        show(snap)
+
+    app._on_snapshot = on_snapshot
+    async with app.run_test(size=(160, 50)) as pilot:
+        await _ready(app, pilot)
+        deadline = time.monotonic() + 10
+        while "PCIe rx 2.0 MB/s" not in _text(app, "#gpu-lines") and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert "PCIe rx 2.0 MB/s" in _text(app, "#gpu-lines")
+    assert pcie_calls_at_first_frame == [0]
+    assert collector.source._pcie is None  # stopped with the app

@@ -7,6 +7,11 @@ at a lower rate and `sample()` only copies its latest figures. Process utilizati
 energy (2-3 ms each) are not read at all. Handles and static facts (name, UUID, bus id) are
 read once. A read that the GPU does not support is remembered and never retried, so
 NotSupported costs one call, not one per sample.
+
+Opening NVML (nvmlInit, device handles, static facts) takes 80-100 ms on an 8-GPU H200 host,
+most of it inside the driver with the GIL released. `NvmlSource(open_in_background=True)` does
+it on a thread so that `sddoctor tui` can import Textual meanwhile; everything that needs the
+devices waits for the opening, which only the sampling thread does in the app.
 """
 
 from __future__ import annotations
@@ -49,22 +54,37 @@ class NvmlSource:
     """Local GPUs through NVML. Never raises for a missing driver: `available` is False and
     `note` says why, so callers still show host and rank data."""
 
-    def __init__(self, pcie_interval: float = 5.0) -> None:
+    def __init__(self, pcie_interval: float = 5.0, open_in_background: bool = False) -> None:
         self.pcie_interval = pcie_interval
         self._nv: Any = None
         self._note: str | None = None
         self._driver: str | None = None
         self._devices: list[_Device] = []
         self._pcie: PcieSampler | None = None
+        self._closed = False
+        self._pcie_lock = threading.Lock()  # start_background (sampling thread) vs close (UI thread)
+        self._opened = threading.Event()
+        if open_in_background:
+            threading.Thread(target=self._open, name="sddoctor-nvml-open", daemon=True).start()
+        else:
+            self._open()
+
+    def _open(self) -> None:
         try:
             self._nv = nvml()
-            self._open()
+            self._list_devices()
         except NvmlUnavailable as exc:
             self._nv, self._note = None, str(exc)
         except Exception as exc:  # noqa: BLE001 - a broken driver must not take the monitor down
-            self._nv, self._note = None, f"NVML failed while listing GPUs: {exc}"
+            self._nv, self._devices, self._note = None, [], f"NVML failed while listing GPUs: {exc}"
+        finally:
+            self._opened.set()
 
-    def _open(self) -> None:
+    def wait_open(self) -> None:
+        """Block until NVML is opened (or found unavailable); at once for a source opened in place."""
+        self._opened.wait()
+
+    def _list_devices(self) -> None:
         nv = self._nv
         try:
             self._driver = as_str(nv.nvmlSystemGetDriverVersion())
@@ -79,22 +99,28 @@ class NvmlSource:
 
     @property
     def available(self) -> bool:
+        self.wait_open()
         return bool(self._devices)
 
     @property
     def note(self) -> str | None:
+        self.wait_open()
         return self._note
 
     @property
     def driver_version(self) -> str | None:
+        self.wait_open()
         return self._driver
 
     @property
     def device_count(self) -> int:
+        self.wait_open()
         return len(self._devices)
 
     def sample(self) -> list[GpuSample]:
-        pcie = self._pcie.latest() if self._pcie else {}
+        self.wait_open()
+        sampler = self._pcie  # read once: close() on another thread may clear it
+        pcie = sampler.latest() if sampler is not None else {}
         out = []
         for dev in self._devices:
             s = dev.sample()
@@ -104,16 +130,21 @@ class NvmlSource:
         return out
 
     def start_background(self) -> None:
-        if self._devices and self._pcie is None and self.pcie_interval > 0:
+        self.wait_open()
+        with self._pcie_lock:
+            if self._closed or not self._devices or self._pcie is not None or self.pcie_interval <= 0:
+                return
             self._pcie = PcieSampler(
                 self._nv, [(d.index, d.handle) for d in self._devices], self.pcie_interval
             )
             self._pcie.start()
 
     def close(self) -> None:
-        if self._pcie is not None:
-            self._pcie.stop()
-            self._pcie = None
+        with self._pcie_lock:
+            self._closed = True
+            pcie, self._pcie = self._pcie, None
+        if pcie is not None:
+            pcie.stop()
 
 
 class _Device:

@@ -222,7 +222,6 @@ class MonitorApp(App[None]):
         procs, ranks = self.query_one("#procs", RowTable), self.query_one("#ranks", RowTable)
         procs.border_title = "processes"
         ranks.border_title = "ranks"
-        self.collector.source.start_background()
         self.run_worker(self._gpu_loop, thread=True, group="gpu", name="gpu-sampler")
         if self.feed is not None:
             self.run_worker(self._rank_loop, thread=True, group="ranks", name="rank-poller")
@@ -236,10 +235,16 @@ class MonitorApp(App[None]):
     # -- workers (threads) -----------------------------------------------------------------------
 
     def _gpu_loop(self) -> None:
+        pcie_started = False
         while not self._stop.is_set():
             if not self.paused:
                 snap = self.collector.sample()
                 self.call_from_thread(self._on_snapshot, snap)
+                if not pcie_started:
+                    # Only after the first sample is on screen: PCIe reads block ~20 ms per
+                    # direction per GPU inside NVML and would otherwise delay the first frame.
+                    self.collector.source.start_background()
+                    pcie_started = True
             self._stop.wait(self.interval)
 
     def _rank_loop(self) -> None:

@@ -66,20 +66,23 @@ def _tight(work: Callable[[], Any], n: int) -> dict[str, float]:
     }
 
 
+#: The order of `sddoctor tui` (sddoctor/tui/cli.py): NVML opens on a thread first, then the
+#: app's imports, then the app; it renders headless here (run_test) instead of on a terminal.
 STARTUP_SCRIPT = r"""
 import asyncio, sys, time
 t0 = float(sys.argv[1])
-from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.source import NvmlSource
-from sddoctor.tui.app import MonitorApp
 fake = int(sys.argv[2])
 if fake:
     from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
     from sddoctor.gpu.nvml import set_nvml_for_tests
     import os
     set_nvml_for_tests(FakeNvml(demo_gpus(fake, [[(os.getpid(), 2 << 30)]] * fake)))
+from sddoctor.gpu.source import NvmlSource
+source = NvmlSource(open_in_background=True)
+from sddoctor.gpu.collector import Collector
+from sddoctor.tui.app import MonitorApp
 async def main():
-    app = MonitorApp(Collector(NvmlSource()), None, interval=1.0)
+    app = MonitorApp(Collector(source), None, interval=1.0)
     async with app.run_test(size=(160, 50)) as pilot:
         while not app.ready:
             await pilot.pause(0.005)
