@@ -95,3 +95,17 @@ def test_torch_facts_survive_json_and_unknown_facts_silence_only_the_torch_check
     torch_ids = [f.id for f in found if f.id.startswith(("torch.", "cuda.", "internal."))]
     assert torch_ids == ["torch.not_reported"]
     assert "gpu.inventory" in {f.id for f in found}  # NVML-side checks are unaffected
+
+
+def test_rank_zero_stuck_before_reporting_is_named_with_the_timeout(monkeypatch):
+    from sddoctor.preflight import bandwidth as bw
+    from sddoctor.preflight.api import torch_from_test
+
+    monkeypatch.setenv(bw.FAULT_ENV, "hang:0")
+    result = bw.run_bandwidth_test(2, bw.SweepPlan(ops={"all_reduce": [4096]}), backend="gloo", timeout=6)
+    assert result.timed_out and result.torch is None
+    assert not any(psutil.pid_exists(p) for p in result.pids)
+    facts = torch_from_test(result)
+    assert facts.unknown and facts.error == (
+        "the collective test's local rank 0 (rank 0) had not reported them after 6 s and was stopped"
+    )

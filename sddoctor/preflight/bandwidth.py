@@ -39,6 +39,8 @@ FAULT_ENV = "SDDOCTOR_PREFLIGHT_FAULT"
 #: busbw at or above this many bytes is compared with what the links should give.
 JUDGE_MIN_BYTES = 32 * 1024 * 1024
 LOW_FRACTION = 0.5
+#: BandwidthResult.error when the caller's `stop` ended the test.
+STOPPED = "stopped before the test finished"
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
@@ -254,7 +256,7 @@ def _wait(
     first_failure: float | None = None
     while True:
         if stop is not None and stop.is_set():
-            result.error = "stopped before the test finished"
+            result.error = STOPPED
             return
         codes = {r: p.poll() for r, p in procs.items()}
         if all(c is not None for c in codes.values()):
@@ -330,7 +332,7 @@ def _collect_torch(workdir: Path, procs: dict[int, subprocess.Popen[bytes]], res
             return
     code = procs[rank].returncode
     who = f"the collective test's local rank 0 (rank {rank})"
-    if result.error == "stopped before the test finished":
+    if result.error == STOPPED:
         result.torch_error = f"the test was stopped before {who} reported them"
     elif result.timed_out:
         result.torch_error = f"{who} had not reported them after {result.timeout:g} s and was stopped"
