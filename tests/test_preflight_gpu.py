@@ -50,7 +50,7 @@ def test_nccl_sweep_on_every_gpu(torch):
         assert result.local_copy_gbps and result.local_copy_gbps > 10
 
 
-def test_cli_quick_json_uses_nccl():
+def test_cli_quick_json_uses_nccl(torch):
     out = subprocess.run(
         [sys.executable, "-m", "sddoctor", "check-nccl", "--quick", "--json"],
         capture_output=True,
@@ -62,3 +62,8 @@ def test_cli_quick_json_uses_nccl():
     assert out.returncode == doc["exit_code"]
     assert doc["bandwidth"]["backend"] == "nccl" and doc["bandwidth"]["rows"][0]["correct"]
     assert doc["system"]["gpus"]
+    # torch was read by the test's local rank 0, with the same visible devices as this process.
+    facts = doc["system"]["torch"]
+    assert facts["source"] == "the collective test's local rank 0" and facts["cuda_available"]
+    assert len(facts["devices"]) == torch.cuda.device_count() and facts["nccl_version"]
+    assert facts["version"] == doc["bandwidth"]["ranks_info"][0]["torch"]

@@ -179,6 +179,15 @@ def normalise_bus_id(bus_id: str) -> str:
     return text
 
 
+def count_gpus() -> int:
+    """NVML's device count, 0 when NVML cannot be used. Cheap once NVML is loaded (read_topology
+    loads it too), so a caller can size work by the GPU count before reading the whole topology."""
+    try:
+        return int(nvml().nvmlDeviceGetCount())
+    except Exception:  # NvmlUnavailable, or an NVMLError from a driver that cannot list devices
+        return 0
+
+
 def read_topology() -> Topology:
     """Read devices, links and pairs from NVML. Never raises: an unusable NVML gives available=False."""
     try:

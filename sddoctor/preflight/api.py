@@ -1,7 +1,9 @@
 """The preflight as a Python call: `run_preflight()` for `sddoctor run --preflight` and the trainer,
 `run_check()` for the CLI (findings plus the bandwidth result and the snapshot).
 
-Nothing here imports torch at module import; the snapshot reader and the collective test do, lazily.
+Nothing here imports torch at module import. When a collective test runs, this process never imports
+torch: the test's local rank 0 reads torch's versions and devices and the checks wait for them (one
+torch import instead of two competing ones). Without a test, the snapshot reader imports it here.
 """
 
 from __future__ import annotations
@@ -10,11 +12,24 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from sddoctor.gpu.topology import expected_busbw_gbps
+from sddoctor.gpu.topology import count_gpus, expected_busbw_gbps
 from sddoctor.preflight import bandwidth as bw
 from sddoctor.preflight.checks import run_checks
 from sddoctor.preflight.findings import Finding, format_findings
-from sddoctor.preflight.snapshot import SystemSnapshot, collect_snapshot, read_torch
+from sddoctor.preflight.snapshot import (
+    TEST_WORKER_SOURCE,
+    MasterInfo,
+    SystemSnapshot,
+    TorchInfo,
+    collect_snapshot,
+    master_target,
+    read_env,
+    read_master,
+    read_torch,
+    started_by_launcher,
+    torch_info_from_dict,
+    torch_not_reported,
+)
 
 __all__ = ["run_preflight", "run_check", "format_findings", "PreflightReport", "bandwidth_findings"]
 
@@ -31,16 +46,25 @@ def under_torchrun(environ: dict[str, str] | None = None) -> bool:
     return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def choose_workers(snap: SystemSnapshot, backend: str | None, nproc: int | None) -> tuple[str, int]:
-    """nccl with one process per visible GPU; gloo with 2 processes when there is no GPU."""
-    gpus = len(snap.topology.gpus) if snap.topology.available else 0
-    cvd = snap.env.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        gpus = min(gpus, len([e for e in cvd.split(",") if e.strip()]))
+def choose_workers(
+    gpus: int, visible_devices: str | None, backend: str | None, nproc: int | None
+) -> tuple[str, int]:
+    """nccl with one process per visible GPU; gloo with 2 processes when there is no GPU.
+    `gpus` is NVML's count, `visible_devices` CUDA_VISIBLE_DEVICES (None when unset)."""
+    if visible_devices is not None:
+        gpus = min(gpus, len([e for e in visible_devices.split(",") if e.strip()]))
     chosen = backend or ("nccl" if gpus else "gloo")
     if nproc:
         return chosen, nproc
     return chosen, (max(gpus, 1) if chosen == "nccl" else 2)
+
+
+def torch_from_test(result: bw.BandwidthResult) -> TorchInfo:
+    """The torch facts the collective test's local rank 0 sent, or an `unknown` TorchInfo saying why
+    there are none (the torch checks then say so instead of passing or crashing)."""
+    if result.torch is not None:
+        return torch_info_from_dict(result.torch, TEST_WORKER_SOURCE)
+    return torch_not_reported(result.torch_error or result.error or "the test process sent nothing")
 
 
 def run_check(
@@ -57,19 +81,25 @@ def run_check(
     nproc: int | None = None,
     stop: threading.Event | None = None,
 ) -> PreflightReport:
-    """Checks and (unless collective=False) the collective test, run side by side.
+    """Checks and (unless collective=False) the collective test, run side by side: the test's
+    processes start first (they take longest: importing torch), the system is read while they run,
+    and the checks are evaluated once the test's torch facts are in.
     Setting `stop` (a signal handler may) ends the collective test early; its processes are reaped."""
-    snap = collect_snapshot(
-        master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=node_rank, with_torch=False
-    )
-    report = PreflightReport(snapshot=snap)
     holder: dict[str, bw.BandwidthResult] = {}
     thread = None
     stop = stop or threading.Event()
+    master: MasterInfo | None = None
     if collective:
-        chosen, procs = choose_workers(snap, backend, nproc)
+        env = read_env(os.environ)
+        chosen, procs = choose_workers(count_gpus(), env.get("CUDA_VISIBLE_DEVICES"), backend, nproc)
         plan = bw.default_plan(quick, chosen == "nccl", sizes)
-        if nnodes > 1 and not master_addr and not snap.master.addr:
+        addr, port = master_target(env, master_addr, master_port)
+        test_addr = master_addr or (addr if nnodes > 1 else None)
+        test_port = master_port or (port if nnodes > 1 else None)
+        if test_port is not None and node_rank == 0:
+            # The test's rank 0 listens on this port: look at it before the test takes it.
+            master = read_master(addr, port, started_by_launcher(env), node_rank=node_rank)
+        if nnodes > 1 and not test_addr:
             holder["result"] = bw.BandwidthResult(
                 backend=chosen,
                 world_size=procs * nnodes,
@@ -87,16 +117,22 @@ def run_check(
                     timeout=timeout,
                     nnodes=nnodes,
                     node_rank=node_rank,
-                    master_addr=master_addr or (snap.master.addr if nnodes > 1 else None),
-                    master_port=master_port or (snap.master.port if nnodes > 1 else None),
+                    master_addr=test_addr,
+                    master_port=test_port,
                     stop=stop,
                 )
 
             thread = threading.Thread(target=work, name="sddoctor-bandwidth", daemon=True)
             thread.start()
     try:
-        snap.torch = read_torch()  # while the workers start: both pay for importing torch
-        report.findings = run_checks(snap)
+        snap = collect_snapshot(
+            master_addr=master_addr,
+            master_port=master_port,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            with_torch=False,
+            master=master,
+        )
         if thread is not None:
             while thread.is_alive():  # join in slices so Ctrl-C gets through
                 thread.join(0.2)
@@ -105,6 +141,14 @@ def run_check(
         if thread is not None:
             thread.join()
         raise
+    report = PreflightReport(snapshot=snap)
+    if thread is None:  # no test process: read torch here
+        snap.torch = read_torch()
+    elif "result" not in holder:  # the runner itself raised; the thread's traceback is on stderr
+        snap.torch = torch_not_reported("the collective test ended without a result")
+    else:
+        snap.torch = torch_from_test(holder["result"])
+    report.findings = run_checks(snap)
     if "result" in holder:
         report.bandwidth = holder["result"]
         report.findings.extend(bandwidth_findings(report.bandwidth, snap))

@@ -11,7 +11,9 @@ default `-a 1`), measured with CUDA events on GPU and the wall clock on gloo. GB
 The parent never waits forever: a rank that has not finished by `timeout` is killed, and the result
 says which ranks never joined the process group and which joined but hung (and in which collective).
 The worker runs as `python -m sddoctor.preflight.bandwidth --worker CONFIG`; torch is imported only
-in the worker (or by `run_inline` under torchrun), never at module import.
+in the worker (or by `run_inline` under torchrun), never at module import. Local rank 0 of each node
+also reads torch's versions and devices for the parent's checks (`BandwidthResult.torch`), first
+thing after importing torch, so that a rank stuck later in the test still delivers them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ FAULT_ENV = "SDDOCTOR_PREFLIGHT_FAULT"
 #: busbw at or above this many bytes is compared with what the links should give.
 JUDGE_MIN_BYTES = 32 * 1024 * 1024
 LOW_FRACTION = 0.5
+#: BandwidthResult.error when the caller's `stop` ended the test.
+STOPPED = "stopped before the test finished"
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
@@ -145,6 +149,10 @@ class BandwidthResult:
     pids: list[int] = field(default_factory=list)  # this node's worker processes (all reaped)
     elapsed: float = 0.0
     error: str | None = None
+    # This node's local rank 0 reads torch for the parent's checks (snapshot.TorchInfo as a dict);
+    # when it did not, torch_error says why. Both go to the JSON as system.torch, not here.
+    torch: dict[str, Any] | None = None
+    torch_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -152,6 +160,7 @@ class BandwidthResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["torch"], data["torch_error"]
         data["hung"] = {str(k): v for k, v in self.hung.items()}
         data["crashed"] = {str(k): v for k, v in self.crashed.items()}
         return data
@@ -247,7 +256,7 @@ def _wait(
     first_failure: float | None = None
     while True:
         if stop is not None and stop.is_set():
-            result.error = "stopped before the test finished"
+            result.error = STOPPED
             return
         codes = {r: p.poll() for r, p in procs.items()}
         if all(c is not None for c in codes.values()):
@@ -275,6 +284,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _collect(workdir: Path, procs: dict[int, subprocess.Popen[bytes]], result: BandwidthResult) -> None:
+    _collect_torch(workdir, procs, result)
     results = {}
     for rank, proc in sorted(procs.items()):
         out = workdir / f"rank-{rank}.json"
@@ -304,6 +314,37 @@ def _collect(workdir: Path, procs: dict[int, subprocess.Popen[bytes]], result: B
     result.local_copy_gbps = first.get("local_copy_gbps")
     if first.get("error"):
         result.error = first["error"]
+
+
+def _collect_torch(workdir: Path, procs: dict[int, subprocess.Popen[bytes]], result: BandwidthResult) -> None:
+    """The torch facts that this node's local rank 0 wrote, or the reason there are none."""
+    if not procs:
+        result.torch_error = "no test process was started"
+        return
+    rank = min(procs)
+    text = _read_text(workdir / f"rank-{rank}.torch")
+    if text:
+        try:
+            result.torch = json.loads(text)
+            return
+        except ValueError as exc:
+            result.torch_error = f"rank {rank} wrote unreadable torch facts: {exc}"
+            return
+    code = procs[rank].returncode
+    who = f"the collective test's local rank 0 (rank {rank})"
+    if result.error == STOPPED:
+        result.torch_error = f"the test was stopped before {who} reported them"
+    elif result.timed_out:
+        result.torch_error = f"{who} had not reported them after {result.timeout:g} s and was stopped"
+    elif code not in (0, None) and code != -signal.SIGKILL:
+        tail = _tail(workdir / f"rank-{rank}.log")
+        result.torch_error = f"{who} exited with code {code} before reporting them" + (
+            f": {tail}" if tail else ""
+        )
+    elif code == -signal.SIGKILL:
+        result.torch_error = f"{who} was stopped before it reported them"
+    else:
+        result.torch_error = f"{who} ended without reporting them (exit code {code})"
 
 
 def _tail(path: Path, lines: int = 6) -> str:
@@ -362,6 +403,11 @@ def worker_main(config_path: str) -> int:
         tmp.write_text(text)
         os.replace(tmp, workdir / f"rank-{rank}.{name}")
 
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # The parent's torch checks wait for this instead of importing torch themselves.
+        from sddoctor.preflight.snapshot import read_torch
+
+        mark("torch", json.dumps(asdict(read_torch()), default=str))
     plan = SweepPlan(**config["plan"])
     payload = measure(
         plan,

@@ -127,15 +127,33 @@ def check_gpus(s: SystemSnapshot) -> list[Finding]:
     return findings
 
 
+#: What cannot be checked without torch's versions and devices.
+TORCH_DEPENDENT = (
+    "torch.cpu_build, torch.cuda_newer_than_driver, torch.cuda_unavailable, torch.no_nccl, "
+    "torch.gpu_mismatch, cuda.device_order (torch's cuda:N order)"
+)
+
+
 def check_torch(s: SystemSnapshot) -> list[Finding]:
     t = s.torch
+    if t.unknown:
+        return [
+            Finding(
+                "torch.not_reported",
+                "warn",
+                f"torch's versions and devices are unknown: {t.source}, which reads them, ended first",
+                [t.error or "no reason given", f"not checked: {TORCH_DEPENDENT}"],
+                "Fix what stopped the collective test (the bw.* findings and the rank's log lines), or "
+                "run `sddoctor check-nccl --no-bandwidth`, which reads torch in its own process.",
+            )
+        ]
     if not t.available:
         return [
             Finding(
                 "torch.missing",
                 "fail",
                 "torch cannot be imported: no collective test possible",
-                [t.error or "unknown"],
+                [t.error or "unknown", f"tried in {t.source}"],
                 "Install PyTorch (https://pytorch.org/get-started) in this environment.",
             )
         ]
@@ -148,6 +166,7 @@ def check_torch(s: SystemSnapshot) -> list[Finding]:
             [
                 f"backends: nccl={'yes' if t.nccl_available else 'no'} gloo={'yes' if t.gloo_available else 'no'}",
                 f"torch sees {len(t.devices)} CUDA device(s)",
+                f"read by {t.source}",
             ],
         )
     ]

@@ -49,6 +49,22 @@ class TorchInfo:
     cuda_available: bool = False
     cuda_error: str | None = None  # why torch.cuda.is_available() is False, when it says
     devices: list[dict[str, Any]] = field(default_factory=list)  # name, bus_id, uuid, memory
+    source: str = "this process"  # or the collective test's local rank 0, which reads it instead
+    unknown: bool = False  # nothing was read: the process that reads it ended first (error says how)
+
+
+#: Where torch is read while a collective test runs: the parent never imports torch then.
+TEST_WORKER_SOURCE = "the collective test's local rank 0"
+
+
+def torch_info_from_dict(data: dict[str, Any], source: str) -> TorchInfo:
+    """A TorchInfo sent as JSON by another process (keys this version does not know are dropped)."""
+    known = {f for f in TorchInfo.__dataclass_fields__ if f not in ("source", "unknown")}
+    return TorchInfo(**{k: v for k, v in data.items() if k in known}, source=source)
+
+
+def torch_not_reported(reason: str) -> TorchInfo:
+    return TorchInfo(available=False, error=reason, source=TEST_WORKER_SOURCE, unknown=True)
 
 
 @dataclass
@@ -133,8 +149,10 @@ def collect_snapshot(
     with_torch: bool = True,
     connect_timeout: float = 2.0,
     root: str = "/",
+    master: MasterInfo | None = None,
 ) -> SystemSnapshot:
-    """Read the real system. torch is imported here (not at module import) and only if asked."""
+    """Read the real system. torch is imported here (not at module import) and only if asked.
+    `master`: MASTER_ADDR already read by the caller (before the collective test took the port)."""
     env = read_env(os.environ)
     snap = SystemSnapshot(
         host=socket.gethostname(),
@@ -142,7 +160,7 @@ def collect_snapshot(
         in_container=in_container(root),
         nnodes=nnodes,
         node_rank=node_rank,
-        under_launcher="TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env),
+        under_launcher=started_by_launcher(env),
         env=env,
     )
     snap.topology = read_topology()
@@ -154,11 +172,25 @@ def collect_snapshot(
     snap.nofile = _rlimit(resource.RLIMIT_NOFILE)
     snap.rdma = read_rdma(root)
     snap.interfaces = read_interfaces(root, snap.rdma)
+    if master is None:
+        addr, port = master_target(env, master_addr, master_port)
+        master = read_master(addr, port, snap.under_launcher, connect_timeout, node_rank)
+    snap.master = master
+    return snap
+
+
+def started_by_launcher(env: dict[str, str]) -> bool:
+    """torchrun (or a launcher like it) started this process: its store already holds MASTER_PORT."""
+    return "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
+
+
+def master_target(
+    env: dict[str, str], master_addr: str | None = None, master_port: int | None = None
+) -> tuple[str | None, int | None]:
+    """The rendezvous address and port: the options, else MASTER_ADDR / MASTER_PORT."""
     addr = master_addr or env.get("MASTER_ADDR")
     port_text = str(master_port) if master_port is not None else env.get("MASTER_PORT")
-    port = int(port_text) if port_text and port_text.isdigit() else None
-    snap.master = read_master(addr, port, snap.under_launcher, connect_timeout, node_rank)
-    return snap
+    return addr, (int(port_text) if port_text and port_text.isdigit() else None)
 
 
 def read_env(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:
