@@ -38,9 +38,11 @@ cp runs/gpu-tiny/report.md "$OUT/trainer/tiny-report.md" 2>/dev/null
 if [ "${TRAINER_SD2:-1}" = 1 ]; then
 # (b) SD2-base architecture (random weights), 512 px, bf16 autocast, batch 8, 20 steps; the second
 #     progress line (steps 11-20) is the steady-state rate. The uncached run only if time is left.
+#     Eager (model.compile=false): a 20-step smoke run would be mostly compile time; the compiled
+#     speed is measured by scripts/gpu/perf.sh.
 SD2=(--preset sd2-base --set data.source=digits data.resolution=512 data.max_samples=320 data.num_workers=4
      train.micro_batch=8 train.max_steps=20 train.log_every=10 train.ema_decay=0 train.mixed_precision=bf16
-     optim.warmup_steps=0 sample.at_end=false checkpoint.at_end=false output.export=false)
+     optim.warmup_steps=0 sample.at_end=false checkpoint.at_end=false output.export=false model.compile=false)
 timeout -k 10 100 "$PY" -m trainer --output-dir runs/gpu-sd2-cached "${SD2[@]}" data.cache=true 2>&1 | tee "$OUT/trainer/sd2-base-cached.log"
 if [ "$SECONDS" -lt 215 ]; then
     timeout -k 10 $((280 - SECONDS)) "$PY" -m trainer --output-dir runs/gpu-sd2-uncached "${SD2[@]}" data.cache=false 2>&1 \
