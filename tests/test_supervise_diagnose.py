@@ -543,3 +543,21 @@ def test_diverged_replicas_are_an_error(ranks, culprit):
 
 def test_equal_replicas_are_no_verdict():
     assert diagnose(_ended(_replicas(0, "a" * 64), _replicas(1, "a" * 64))) == []
+
+
+@pytest.mark.parametrize(("died_after", "severity"), [(4.0, "warning"), (120.0, "error")])
+def test_crash_right_after_the_flight_recorder_dump_is_not_blamed_as_a_cause(
+    died_after: float, severity: str
+) -> None:
+    asked_at = NOW - 200.0
+    r1 = rank(1, alive=False, exit={"t": asked_at + died_after, "signal": 11})
+    state = RunState(
+        now=NOW,
+        started=0.0,
+        ranks={0: rank(0), 1: r1},
+        job_exit={"code": 1, "t": NOW},
+        flight_recorder={"ranks": {}, "asked_at": asked_at},
+    )
+    (v,) = [v for v in diagnose(state) if v.kind == "crash"]
+    assert (v.culprit_rank, v.severity) == (1, severity)
+    assert ("flight-recorder" in v.summary) == (severity == "warning")

@@ -219,6 +219,26 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
     return [_crash_verdict(state, primary, exit_info, others)]
 
 
+#: A rank that dies of one of these signals within this many seconds after sddoctor asked it for its
+#: NCCL flight-recorder dump (on a hang) is reported as a likely consequence of the dump: with torch
+#: 2.11 on an H200 a rank was seen to die of SIGSEGV inside ProcessGroupNCCL a few seconds after
+#: writing its dump, in a process whose collectives sddoctor traces.
+DUMP_CRASH_WINDOW = 30.0
+_DUMP_CRASH_SIGNALS = frozenset({int(signal.SIGSEGV), int(signal.SIGABRT), int(signal.SIGBUS)})
+
+
+def _after_dump(state: RunState, rank: RankState, exit_info: dict[str, Any] | None) -> float | None:
+    """Seconds between the flight-recorder dump request and this rank's death by a crash signal."""
+    asked_at = (state.flight_recorder or {}).get("asked_at")
+    sig = (exit_info or {}).get("signal")
+    if asked_at is None or sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
+        return None
+    died = _death_time(rank)
+    if died == float("inf") or not 0 <= died - asked_at <= DUMP_CRASH_WINDOW:
+        return None
+    return died - asked_at
+
+
 def _crash_verdict(
     state: RunState, rank: RankState, exit_info: dict[str, Any] | None, others: list[int]
 ) -> Verdict:
@@ -263,9 +283,23 @@ def _crash_verdict(
     }
     if exc:
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
+    severity = "error"
+    after_dump = _after_dump(state, rank, exit_info)
+    if after_dump is not None:
+        # The hang verdict already names the cause; this death came from looking at it.
+        severity = "warning"
+        details["after_flight_recorder_dump_s"] = round(after_dump, 1)
+        summary += (
+            f" ({after_dump:.0f} s after sddoctor asked the ranks for their NCCL flight-recorder dumps "
+            "on the hang: likely a crash of the dump itself, not a cause of the hang)"
+        )
+        evidence.append(
+            "ProcessGroupNCCL has been seen to crash a rank a few seconds after a flight-recorder dump "
+            "(torch 2.11); run with --on-hang kill to stop the job right after the diagnosis"
+        )
     return Verdict(
         kind="crash",
-        severity="error",
+        severity=severity,
         summary=summary,
         culprit_rank=rank.rank,
         location=location,

@@ -31,8 +31,14 @@ def trigger(env: dict[str, str], ranks: list[int]) -> list[int]:
     return asked
 
 
-def collect(env: dict[str, str], ranks: list[int], wait: float = 3.0) -> dict[str, Any] | None:
-    """Read the dumps that appear within `wait` seconds and keep, per rank, its last entries."""
+def collect(
+    env: dict[str, str], ranks: list[int], wait: float = 3.0, asked_at: float | None = None
+) -> dict[str, Any] | None:
+    """Read the dumps that appear within `wait` seconds and keep, per rank, its last entries.
+
+    `asked_at` (epoch seconds of the trigger) is kept with them: a rank that dies of a signal
+    shortly after its dump was asked for may have been killed by the dump itself (see
+    `diagnose.DUMP_CRASH_WINDOW`)."""
     prefix = env.get("TORCH_FR_DEBUG_INFO_TEMP_FILE") or env.get(DUMP_ENV)
     if not prefix:
         return None
@@ -47,7 +53,9 @@ def collect(env: dict[str, str], ranks: list[int], wait: float = 3.0) -> dict[st
             if summary is not None:
                 found[str(rank)] = summary
         time.sleep(0.2)
-    return {"ranks": found} if found else None
+    if not found:
+        return {"ranks": {}, "asked_at": asked_at} if asked_at is not None else None
+    return {"ranks": found, "asked_at": asked_at} if asked_at is not None else {"ranks": found}
 
 
 def summarize(path: Path, last: int = 5) -> dict[str, Any] | None:

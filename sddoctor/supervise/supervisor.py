@@ -200,8 +200,9 @@ class Supervisor:
         alive = {r: p for r, p in alive.items() if r in self.job.ranks}  # only processes on this node
         if self.opts.on_hang in ("dump", "kill") and alive:
             backends = {r.state.get("backend") for r in state.ranks.values()}
-            if "nccl" in backends:
-                flightrec.trigger(self.job.env, sorted(alive))
+            dump_asked_at = None
+            if "nccl" in backends and flightrec.trigger(self.job.env, sorted(alive)):
+                dump_asked_at = time.time()
             self.stacks_problem = stacks.ptrace_problem()
             results = stacks.dump_stacks(alive, self.opts.run_dir.stacks_dir, native=self.opts.native)
             failures = {r: res.get("error") for r, res in results.items() if not res.get("ok")}
@@ -211,8 +212,8 @@ class Supervisor:
                 )
             for rank_id, result in results.items():
                 state.ranks[rank_id].stack = result
-            if "nccl" in backends:
-                self.flight_recorder = flightrec.collect(self.job.env, sorted(alive))
+            if dump_asked_at is not None:
+                self.flight_recorder = flightrec.collect(self.job.env, sorted(alive), asked_at=dump_asked_at)
             state.stacks_problem = self.stacks_problem
             state.flight_recorder = self.flight_recorder
             self.say(
