@@ -19,13 +19,14 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 
 from sddoctor.gpu.collector import Collector
 from sddoctor.gpu.overview import Overview
 from sddoctor.gpu.rankfeeds import RankFeed, RankReport, latest_stack_dump
 from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSample, GpuSnapshot
+from sddoctor.tui.footer import SteadyFooter
 from sddoctor.tui.format import bar, gib, loss, mib, num, pct, rate, sparkline
 from sddoctor.tui.rowtable import RowTable
 from sddoctor.tui.textlines import TextLines
@@ -216,7 +217,7 @@ class MonitorApp(App[None]):
         yield RowTable(RANK_COLUMNS, id="ranks")
         yield TextLines(id="alerts")
         yield Input(placeholder="filter rows (Enter keeps it, Esc clears)", id="filter")
-        yield Footer()
+        yield SteadyFooter()
 
     def on_mount(self) -> None:
         procs, ranks = self.query_one("#procs", RowTable), self.query_one("#ranks", RowTable)
