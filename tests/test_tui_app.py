@@ -17,8 +17,9 @@ from sddoctor.gpu.fake_nvml import FakeGpu, FakeNvml
 from sddoctor.gpu.host import FixedHost
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.gpu.source import NvmlSource
-from sddoctor.tui.app import HelpScreen, MonitorApp, RankScreen
+from sddoctor.tui.app import MonitorApp
 from sddoctor.tui.footer import SteadyFooter
+from sddoctor.tui.screens import HelpScreen, RankScreen
 
 pytestmark = pytest.mark.asyncio
 
