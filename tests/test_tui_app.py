@@ -6,6 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import Static
+from textual.widgets._footer import FooterKey
 from tui_fixtures import DEMO_PIDS, demo_collector, demo_feed, frozen_clock, write_demo_run
 
 from sddoctor.gpu.collector import Collector
@@ -13,7 +17,9 @@ from sddoctor.gpu.fake_nvml import FakeGpu, FakeNvml
 from sddoctor.gpu.host import FixedHost
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.gpu.source import NvmlSource
-from sddoctor.tui.app import HelpScreen, MonitorApp, RankScreen
+from sddoctor.tui.app import MonitorApp
+from sddoctor.tui.footer import SteadyFooter
+from sddoctor.tui.screens import HelpScreen, RankScreen
 
 pytestmark = pytest.mark.asyncio
 
@@ -170,3 +176,59 @@ async def test_pcie_reader_starts_after_the_first_sample_is_shown():
         assert "PCIe rx 2.0 MB/s" in _text(app, "#gpu-lines")
     assert pcie_calls_at_first_frame == [0]
     assert collector.source._pcie is None  # stopped with the app
+
+
+def _footer_keys(app):
+    return [(k.key, k.description) for k in app.query(FooterKey)]
+
+
+async def test_footer_is_built_once_and_kept_while_its_keys_stay_the_same():
+    app = MonitorApp(demo_collector(), None, interval=3600, clock=frozen_clock)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await _ready(app, pilot)
+        await pilot.pause(0.1)
+        keys = list(app.query(FooterKey))
+        assert _footer_keys(app) == [
+            ("question_mark", "Help"),
+            ("s", "Sort"),
+            ("slash", "Filter"),
+            ("p", "Pause"),
+            ("q", "Quit"),
+            ("ctrl+p", "palette"),
+        ]
+        await pilot.press("tab")  # focus moves to the rank table: the same keys are shown
+        await pilot.pause(0.1)
+        assert app.focused is app.query_one("#ranks")
+        assert list(app.query(FooterKey)) == keys  # the very same widgets: not rebuilt
+        await pilot.press("question_mark")  # help over the main screen, and back
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+        assert list(app.query(FooterKey)) == keys
+        await pilot.click(FooterKey, offset=(1, 0))  # its first key, "?": still clickable
+        assert isinstance(app.screen, HelpScreen)
+
+
+class _Extra(Static, can_focus=True):
+    BINDINGS = [Binding("x", "app.bell", "Extra")]
+
+
+class _FooterApp(App[None]):
+    BINDINGS = [Binding("q", "quit", "Quit")]
+
+    def compose(self) -> ComposeResult:
+        yield Static("plain")
+        yield _Extra("extra", id="extra")
+        yield SteadyFooter()
+
+
+async def test_footer_is_rebuilt_when_the_shown_keys_change():
+    app = _FooterApp()
+    async with app.run_test(size=(80, 10)) as pilot:
+        await pilot.pause(0.1)
+        assert _footer_keys(app) == [("x", "Extra"), ("q", "Quit"), ("ctrl+p", "palette")]
+        app.set_focus(None)
+        await pilot.pause(0.1)
+        assert _footer_keys(app) == [("q", "Quit"), ("ctrl+p", "palette")]
+        app.query_one("#extra").focus()
+        await pilot.pause(0.1)
+        assert _footer_keys(app) == [("x", "Extra"), ("q", "Quit"), ("ctrl+p", "palette")]

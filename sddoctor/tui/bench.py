@@ -80,7 +80,13 @@ if fake:
 from sddoctor.gpu.source import NvmlSource
 source = NvmlSource(open_in_background=True)
 from sddoctor.gpu.collector import Collector
-from sddoctor.tui.app import MonitorApp
+import gc
+gc.disable()
+try:
+    from sddoctor.tui.app import MonitorApp
+finally:
+    gc.freeze()
+    gc.enable()
 async def main():
     app = MonitorApp(Collector(source), None, interval=1.0)
     async with app.run_test(size=(160, 50)) as pilot:
