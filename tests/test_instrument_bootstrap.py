@@ -144,6 +144,8 @@ def test_rank_environment_keeps_user_settings(tmp_path: Path) -> None:
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path.resolve() / "stacks" / "nccl_trace_rank_")
     assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == str(tmp_path.resolve() / "stacks" / "nccl_pipe_rank_")
     assert env["SDDOCTOR_RUN_DIR"] == str(tmp_path.resolve())
+    assert env["TORCH_INCLUDE_STACK_TRACE"] == "0"  # stacks come from py-spy
+    assert rank_environment(tmp_path, {"TORCH_INCLUDE_STACK_TRACE": "1"})["TORCH_INCLUDE_STACK_TRACE"] == "1"
 
 
 def test_flight_recorder_pipe_is_written_without_blocking(tmp_path: Path) -> None:

@@ -21,6 +21,12 @@ TRACE_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+# The dump leaves out Python stack traces: sddoctor takes every rank's stack with py-spy, and the
+# watchdog thread that writes the dump needs the GIL to symbolize Python frames, which PyTorch
+# documents can deadlock; with it on, a rank whose collectives sddoctor traces (a second Python
+# thread, the heartbeat, is running) was seen to die of SIGSEGV a few seconds after its dump,
+# while the same dump in a process without that thread did not crash. A user's value wins.
+STACK_TRACE_ENV = "TORCH_INCLUDE_STACK_TRACE"
 TRACE_PREFIX = "nccl_trace_rank_"
 PIPE_PREFIX = "nccl_pipe_rank_"
 
@@ -38,6 +44,7 @@ def recorder_environment(run_dir: str | os.PathLike[str], buffer_size: int = 200
         TRACE_BUFFER_ENV: str(buffer_size),
         DUMP_FILE_ENV: str(stacks / TRACE_PREFIX),
         PIPE_FILE_ENV: str(stacks / PIPE_PREFIX),
+        STACK_TRACE_ENV: "0",
     }
 
 
