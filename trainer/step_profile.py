@@ -168,7 +168,6 @@ class StepProfiler:
         self.device = device
         self._prof: Any = None
         self._t0 = 0.0
-        self.written: Path | None = None
 
     def before_step(self, step: int) -> None:
         """`step` is the 1-based number of the step about to run."""
@@ -185,9 +184,10 @@ class StepProfiler:
         self._prof.__enter__()
         self._t0 = time.perf_counter()
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> Path | None:
+        """After step `step`: once the last profiled step is done, the summary written (else None)."""
         if self._prof is None or self.steps is None or step < self.steps[1]:
-            return
+            return None
         import torch
 
         if self.device.type == "cuda":
@@ -203,7 +203,7 @@ class StepProfiler:
         Path(f"{stem}.json").write_text(json.dumps(summary, indent=1))
         Path(f"{stem}.txt").write_text(format_summary(summary))
         prof.export_chrome_trace(f"{stem}.trace.json.gz")
-        self.written = Path(f"{stem}.txt")
+        return Path(f"{stem}.txt")
 
 
 def _kernel_times(prof: Any, cuda: bool) -> tuple[list[KernelTime], float]:

@@ -732,10 +732,8 @@ class Trainer:
             loss_window += result.loss
             window_steps += 1
             mem_alloc, mem_peak = memory_bytes(device)
-            profiler.after_step(step)
-            if profiler.written is not None and d.rank == 0:
-                self.log(f"profile of steps {cfg.train.profile_steps}: {profiler.written}")
-                profiler.written = None
+            if written := profiler.after_step(step):
+                self.log(f"profile of steps {cfg.train.profile_steps}: {written}")
             reporter.push(
                 step,
                 result.loss,
