@@ -136,3 +136,42 @@ def test_fused_kernel_matches_the_foreach_update(dtype: torch.dtype) -> None:
             torch.testing.assert_close(
                 foreach.state[pa]["master"], fused.state[pb]["master"], rtol=1e-5, atol=1e-6
             )
+
+
+def test_ema_in_chunks_is_the_plain_moving_average() -> None:
+    from trainer.optim import EMA
+
+    model, _, _ = _problem()
+    start = [p.detach().clone() for p in model.parameters()]
+    ema = EMA(model, decay=0.9, chunk_elements=100)  # several chunks
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update()
+    for s, p0, p in zip(ema.shadow, start, model.parameters(), strict=True):
+        torch.testing.assert_close(s, 0.9 * p0 + 0.1 * p)
+
+
+def test_bf16_ema_keeps_moves_far_below_bf16_resolution() -> None:
+    """decay 0.9999 moves the average by 1e-6 a step here, 1/8000 of bf16's step at 1.0: nearest
+    rounding would never move; stochastic rounding follows the fp32 average on the mean."""
+    from trainer.optim import EMA
+
+    model = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    fp32, bf16 = EMA(model, 0.9999), EMA(model, 0.9999, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0078125)  # the next bf16 value above 1.0
+    for _ in range(2000):
+        fp32.update()
+        bf16.update()
+    (shadow,) = bf16.shadow
+    assert shadow.dtype == torch.bfloat16
+    moved = fp32.shadow[0].mean().item() - 1.0  # about 0.0014
+    assert moved > 0.001
+    assert shadow.float().mean().item() - 1.0 == pytest.approx(moved, rel=0.1)
+    nearest = torch.ones(64, dtype=torch.bfloat16)
+    for _ in range(100):
+        nearest = torch.lerp(nearest.float(), torch.full((64,), 1.0078125), 1e-4).to(torch.bfloat16)
+    assert torch.equal(nearest, torch.ones(64, dtype=torch.bfloat16))  # what plain rounding would do

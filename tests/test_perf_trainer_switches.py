@@ -15,12 +15,14 @@ from trainer.config import MEMORY_SAVER, ConfigError, build_config
 def test_memory_saver_sets_its_keys_unless_given_explicitly():
     cfg = build_config("sd2-base", None, ["train.memory_saver=true", "optim.master_weights=true"])
     assert cfg.model.gradient_checkpointing and cfg.model.offload_frozen and cfg.data.cache
-    assert cfg.model.unet_dtype == "bf16" and cfg.optim.state_dtype == "bf16"
+    assert (
+        cfg.model.unet_dtype == "bf16" and cfg.optim.state_dtype == "bf16" and cfg.train.ema_dtype == "bf16"
+    )
     assert cfg.optim.master_weights is True  # explicit --set wins over the preset of settings
     plain = build_config("sd2-base", None, [])
     assert not plain.train.memory_saver and not plain.model.gradient_checkpointing
     assert set(MEMORY_SAVER) <= {
-        f"{a}.{b}" for a in ("model", "optim", "data") for b in dir(getattr(plain, a))
+        f"{a}.{b}" for a in ("model", "optim", "data", "train") for b in dir(getattr(plain, a))
     }
 
 

@@ -31,7 +31,7 @@ ops, which also handles bf16 moments and stochastic rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +51,19 @@ def stochastic_round_to_bf16(
     )
     rounded = (bits + noise) & -65536  # keep the upper 16 bits
     out.copy_(rounded.view(torch.float32))  # exact: the lower bits are zero
+
+
+def chunk_slices(tensors: list[torch.Tensor], chunk_elements: int) -> Iterator[slice]:
+    """Consecutive slices of `tensors`, each closed once it holds `chunk_elements` elements or more:
+    the unit of work of the multi-tensor updates here, bounding their fp32 temporaries."""
+    start, size = 0, 0
+    for i, t in enumerate(tensors):
+        size += t.numel()
+        if size >= chunk_elements:
+            yield slice(start, i + 1)
+            start, size = i + 1, 0
+    if start < len(tensors):
+        yield slice(start, len(tensors))
 
 
 class MixedPrecisionAdamW(torch.optim.Optimizer):
@@ -110,16 +123,8 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         return state
 
     def _chunks(self, params: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
-        chunk: list[torch.Tensor] = []
-        size = 0
-        for p in params:
-            chunk.append(p)
-            size += p.numel()
-            if size >= self.chunk_elements:
-                yield chunk
-                chunk, size = [], 0
-        if chunk:
-            yield chunk
+        for part in chunk_slices(params, self.chunk_elements):
+            yield params[part]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]

@@ -507,7 +507,8 @@ class Trainer:
         else:
             optimizer = build_optimizer(params, cfg.optim, device)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-        ema = EMA(unet, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
+        ema = EMA(unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
         scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + d.rank)
         step = 0
