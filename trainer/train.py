@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import hashlib
 import os
 import signal
@@ -345,6 +346,11 @@ class Trainer:
             sdi.disable(status=status, code=code)
             if dist.is_initialized():
                 if code in (EXIT_OK, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                    # The DDP model, the OOM guard's hooks and control group and their pending works
+                    # form reference cycles that outlive train(); left to the interpreter's final
+                    # teardown, a gloo group's worker threads can then release Python objects after
+                    # Python is gone (the rank aborts after "done"). Free them while it is alive.
+                    gc.collect()
                     dist.destroy_process_group()
                 # after a failure other ranks may still sit in a collective: do not wait for them
         return code
