@@ -115,6 +115,23 @@ def test_resume_after_a_fallback_keeps_the_smaller_micro_batch(faulted) -> None:
     assert digests[0] == digests[1]
 
 
+def test_fallback_recompiles_a_compiled_unet(tmp_path) -> None:
+    """torch.compile (on by default on CUDA in the SD presets) under the guard: each fallback
+    re-wraps DDP and changes the micro-batch shape, so the compiled UNet is traced again. The
+    aot_eager backend runs the same graph capture without generating kernels (fast on a CPU)."""
+    out = tmp_path / "compiled"
+    faults = "oom:rank=1,step=2,phase=backward;oom:rank=*,step=4,phase=forward"
+    output = train(
+        out, tmp_path / "cache", 5, "model.compile=true", "model.compile_backend=aot_eager", fault=faults
+    )
+    assert "compiling the UNet with torch.compile" in output
+    for rank in (0, 1):
+        steps = {e["step"]: (e["micro_batch"], e["grad_accum"]) for e in events(out, rank, "step")}
+        assert steps == {1: (8, 1), 2: (4, 2), 3: (4, 2), 4: (2, 4), 5: (2, 4)}, (rank, steps)
+    digests = [events(out, rank, "replicas")[-1]["params_sha256"] for rank in (0, 1)]
+    assert digests[0] == digests[1]
+
+
 def test_find_unused_parameters_turns_the_guard_off_with_a_warning(capsys) -> None:
     trainer = Trainer(build_config("tiny", None, ["ddp.find_unused_parameters=true"]))
     trainer.dist = Dist(rank=0, local_rank=0, world_size=2, device=None, backend="gloo")  # type: ignore[arg-type]

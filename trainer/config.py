@@ -46,6 +46,9 @@ class ModelConfig:
     compile: str = "false"
     """true | false | auto (true when training on CUDA; the SD presets' setting): torch.compile the
     UNet. The first steps are slow while it compiles (about two minutes for SD2-base)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend: inductor (generates kernels) | aot_eager | eager (no code generation:
+    for telling a compile problem from a kernel problem, and fast to start)."""
     compile_mode: str = ""
     """torch.compile mode: '' (default) | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs."""
     unet_dtype: str = "fp32"
@@ -422,6 +425,7 @@ _CHOICES = {
     "model.prediction_type": ("", "epsilon", "v_prediction"),
     "model.unet_dtype": ("fp32", "bf16", "auto"),
     "model.compile": ("true", "false", "auto"),
+    "model.compile_backend": ("inductor", "aot_eager", "eager"),
     "model.compile_mode": ("", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "optim.state_dtype": ("fp32", "bf16"),
     "train.ema_dtype": ("fp32", "bf16"),

@@ -495,7 +495,12 @@ class Trainer:
         compile_unet = cfg.model.compile == "true" or (cfg.model.compile == "auto" and device.type == "cuda")
         if compile_unet:
             self.log("compiling the UNet with torch.compile: the first steps take a few minutes")
-        model = torch.compile(unet, mode=cfg.model.compile_mode or None) if compile_unet else unet
+        if compile_unet:
+            model = torch.compile(
+                unet, backend=cfg.model.compile_backend, mode=cfg.model.compile_mode or None
+            )
+        else:
+            model = unet
         if unet_bf16:
             model = CastInputs(model, torch.bfloat16)
         params = [p for p in unet.parameters() if p.requires_grad]
