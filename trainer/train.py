@@ -495,7 +495,6 @@ class Trainer:
         compile_unet = cfg.model.compile == "true" or (cfg.model.compile == "auto" and device.type == "cuda")
         if compile_unet:
             self.log("compiling the UNet with torch.compile: the first steps take a few minutes")
-        if compile_unet:
             model = torch.compile(
                 unet, backend=cfg.model.compile_backend, mode=cfg.model.compile_mode or None
             )

@@ -53,9 +53,9 @@ def collect(
             if summary is not None:
                 found[str(rank)] = summary
         time.sleep(0.2)
-    if not found:
-        return {"ranks": {}, "asked_at": asked_at} if asked_at is not None else None
-    return {"ranks": found, "asked_at": asked_at} if asked_at is not None else {"ranks": found}
+    if asked_at is not None:
+        return {"ranks": found, "asked_at": asked_at}  # even with no dump: the request time counts
+    return {"ranks": found} if found else None
 
 
 def summarize(path: Path, last: int = 5) -> dict[str, Any] | None:
