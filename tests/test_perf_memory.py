@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.memory import CastInputs, MixedPrecisionAdamW, optimizer_state_bytes, stochastic_round_to_bf16
+from trainer.memory import (
+    CastInputs,
+    Float32Workspace,
+    MixedPrecisionAdamW,
+    chunk_slices,
+    optimizer_state_bytes,
+    stochastic_round_staged,
+    stochastic_round_to_bf16,
+)
 
 
 def _problem(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -175,3 +183,78 @@ def test_bf16_ema_keeps_moves_far_below_bf16_resolution() -> None:
     for _ in range(100):
         nearest = torch.lerp(nearest.float(), torch.full((64,), 1.0078125), 1e-4).to(torch.bfloat16)
     assert torch.equal(nearest, torch.ones(64, dtype=torch.bfloat16))  # what plain rounding would do
+
+
+def test_chunks_stay_under_the_limit_unless_one_tensor_is_larger() -> None:
+    tensors = [torch.empty(n) for n in (30, 30, 50, 200, 10, 10)]
+    parts = [[t.numel() for t in tensors[part]] for part in chunk_slices(tensors, 100)]
+    assert parts == [[30, 30], [50], [200], [10, 10]]
+
+
+def test_workspace_views_keep_layout_and_lie_end_to_end() -> None:
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last).to(torch.bfloat16)
+    like = [conv.weight, conv.bias]
+    workspace = Float32Workspace()
+    staged = workspace.copy([p.detach() for p in like], like=like)
+    assert [v.shape for v in staged.views] == [p.shape for p in like]
+    assert staged.views[0].stride() == conv.weight.stride() != conv.weight.contiguous().stride()
+    assert all(v.dtype == torch.float32 for v in staged.views)
+    assert torch.equal(staged.views[0], conv.weight.float()) and torch.equal(
+        staged.views[1], conv.bias.float()
+    )
+    assert staged.flat.numel() == sum(p.numel() for p in like)
+    assert staged.views[1].data_ptr() == staged.flat.data_ptr() + 4 * conv.weight.numel()
+    assert workspace.views(like) is staged  # made once per list
+    bigger = [torch.zeros(1000, dtype=torch.bfloat16)]
+    assert workspace.copy(bigger, like=bigger).flat.numel() == 1000  # grows, forgets the old views
+    assert workspace.views(like) is not staged
+
+
+def test_staged_stochastic_rounding_matches_the_per_tensor_rounding() -> None:
+    sources = [torch.full((500, 400), 1.0 + 2**-10), torch.full((200_000,), -(1.0 + 2**-9))]
+    targets = [torch.empty_like(t, dtype=torch.bfloat16) for t in sources]
+    staged = Float32Workspace().copy(sources, like=sources)
+    stochastic_round_staged(targets, staged, generator=torch.Generator().manual_seed(0))
+    assert set(targets[0].float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert targets[0].float().mean().item() == pytest.approx(1.0 + 2**-10, abs=2e-5)
+    assert targets[1].float().mean().item() == pytest.approx(-(1.0 + 2**-9), abs=2e-5)
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_channels_last_convolutions_update_alike_fused_and_foreach(master_weights: bool) -> None:
+    """Gradients enter the kernels as fp32 views laid out as the weights; a channels_last weight
+    must pair each gradient element with its own weight element, in both update paths."""
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(8, 4, 1)
+        )
+        return net.to(memory_format=torch.channels_last).to(torch.bfloat16)
+
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    nets, losses = [model(), model(), model()], []
+    kw = dict(lr=1e-2, master_weights=master_weights, stochastic_rounding=False, chunk_elements=200)
+    optimizers = [
+        MixedPrecisionAdamW(nets[0].parameters(), fused=False, **kw),
+        MixedPrecisionAdamW(nets[1].parameters(), fused=True, **kw),
+    ]
+    for net, opt in zip(nets, optimizers, strict=False):
+        for _ in range(5):
+            loss = net(x.to(torch.bfloat16)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    # a contiguous copy of the same net, plain per-tensor math: the layout must not matter
+    reference = nets[2].to(memory_format=torch.contiguous_format)
+    ref_opt = MixedPrecisionAdamW(reference.parameters(), fused=False, **kw)
+    for _ in range(5):
+        loss = reference(x.contiguous().to(torch.bfloat16)).float().square().mean()
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    for a, b, c in zip(nets[0].parameters(), nets[1].parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.float(), c.float(), rtol=0, atol=2e-2)
+        if master_weights:
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)

@@ -10,7 +10,17 @@ import pytest
 
 from conftest import REPO_ROOT, subprocess_env
 from trainer.config import ConfigError, build_config
-from trainer.step_profile import KernelTime, _union, format_summary, kind_of, parse_steps, summarise
+from trainer.step_profile import (
+    HostOp,
+    KernelTime,
+    _union,
+    format_summary,
+    host_stacks,
+    idle_gaps,
+    kind_of,
+    parse_steps,
+    summarise,
+)
 
 
 @pytest.mark.parametrize(
@@ -61,6 +71,66 @@ def test_summary_shares_and_table() -> None:
     assert summary["kinds"]["convolution"] == {"ms_per_step": 3.0, "share": 0.75}
     text = format_summary(summary)
     assert "GPU busy 80.0%" in text and "convolution" in text.splitlines()[3]
+
+
+def test_host_stack_is_the_deepest_thread_at_that_time() -> None:
+    ops = [
+        HostOp("trainer: step", 0, 100, thread=1),
+        HostOp("Optimizer.step#AdamW.step", 60, 90, thread=1),
+        HostOp("aten::_foreach_norm", 70, 75, thread=1),
+        HostOp("autograd::engine::evaluate_function: MulBackward0", 10, 40, thread=2),
+        HostOp("aten::mul", 12, 20, thread=2),
+        HostOp("aten::add", 30, 35, thread=2),
+    ]
+    stacks = host_stacks([72, 15, 50, 150, 32], ops)
+    names = [[op.name for op in stack] for stack in stacks]
+    assert names[0] == ["trainer: step", "Optimizer.step#AdamW.step", "aten::_foreach_norm"]
+    assert names[1] == [
+        "autograd::engine::evaluate_function: MulBackward0",
+        "aten::mul",
+    ]  # deeper than thread 1
+    assert names[2] == ["trainer: step"]
+    assert names[3] == []
+    assert names[4] == ["autograd::engine::evaluate_function: MulBackward0", "aten::add"]
+
+
+def test_idle_gaps_are_put_down_to_what_the_host_did() -> None:
+    # Kernels (microseconds): busy 0-1000, a 50 us launch gap, busy to 2000, then idle 2000-5000
+    # while the host is in the optimizer, idle 6000-8000 while it fetches data, overlapping kernels.
+    spans = [
+        (0.0, 1000.0, "k1"),
+        (1050.0, 2000.0, "k2"),
+        (5000.0, 6000.0, "adam"),
+        (5500.0, 5800.0, "overlapping"),
+        (8000.0, 9000.0, "conv"),
+    ]
+    ops = [
+        HostOp("trainer: step", 0, 6000, thread=1),
+        HostOp("Optimizer.step#MixedPrecisionAdamW.step", 1900, 5100, thread=1),
+        HostOp("trainer: data", 6100, 7900, thread=1),
+    ]
+    idle = idle_gaps(spans, ops, steps=2, min_gap_us=100)
+    assert idle is not None
+    assert idle["ms_per_step"] == round((50 + 3000 + 2000) / 2000, 3)
+    assert idle["short_ms_per_step"] == 0.025
+    by_host = {row["host"]: row for row in idle["by_host"]}
+    assert by_host["trainer: step > Optimizer.step#MixedPrecisionAdamW.step"] == {
+        "host": "trainer: step > Optimizer.step#MixedPrecisionAdamW.step",
+        "gaps": 1,
+        "ms_per_step": 1.5,
+    }
+    assert by_host["trainer: data"]["ms_per_step"] == 1.0
+    assert [(g["at_ms"], g["ms"], g["next_kernel"]) for g in idle["largest"]] == [
+        (2.0, 3.0, "adam"),
+        (6.0, 2.0, "conv"),
+    ]
+    summary = summarise(
+        [KernelTime("k1", "elementwise and other", 1, 1000.0)], 9000.0, 2, "cuda", 4000.0, idle
+    )
+    text = format_summary(summary)
+    assert "GPU idle between its first and last kernel: 2.52 ms per step" in text
+    assert "trainer: data" in text and "adam" in text
+    assert idle_gaps([], ops, steps=1) is None
 
 
 def test_training_run_writes_the_profile(tmp_path) -> None:

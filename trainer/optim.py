@@ -8,7 +8,7 @@ import math
 import torch
 
 from trainer.config import OptimConfig
-from trainer.memory import chunk_slices, stochastic_round_to_bf16
+from trainer.memory import Float32Workspace, chunk_slices, stochastic_round_staged
 
 
 def build_optimizer(
@@ -56,7 +56,7 @@ class EMA:
     1e-4 of the difference, far below bf16's resolution, so the update is computed in fp32 and
     rounded stochastically (as MixedPrecisionAdamW does without a master copy): unbiased, so the
     small moves add up on average instead of being rounded away. The update runs over chunks of
-    `chunk_elements`, so its fp32 temporaries stay small whatever the model's size.
+    `chunk_elements`, so its fp32 workspaces stay small whatever the model's size.
     """
 
     def __init__(
@@ -73,19 +73,24 @@ class EMA:
         self.chunk_elements = chunk_elements
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.shadow = [p.detach().to(dtype=dtype, copy=True) for p in self.params]
+        self._current32 = Float32Workspace()
+        self._average32 = Float32Workspace()
 
     @torch.no_grad()
     def update(self) -> None:
         weight = 1.0 - self.decay
         for part in chunk_slices(self.params, self.chunk_elements):
-            current = [p.detach().float() for p in self.params[part]]
+            params, shadow = self.params[part], self.shadow[part]
+            if all(p.dtype == torch.float32 for p in params):
+                current = [p.detach() for p in params]
+            else:  # one multi-tensor copy into a reused buffer, not a `.float()` per tensor
+                current = self._current32.copy([p.detach() for p in params], like=params).views
             if self.dtype == torch.float32:
-                torch._foreach_lerp_(self.shadow[part], current, weight)
+                torch._foreach_lerp_(shadow, current, weight)
                 continue
-            averaged = [s.float() for s in self.shadow[part]]
-            torch._foreach_lerp_(averaged, current, weight)
-            for target, value in zip(self.shadow[part], averaged, strict=True):
-                stochastic_round_to_bf16(value, target)
+            averaged = self._average32.copy(shadow, like=shadow)
+            torch._foreach_lerp_(averaged.views, current, weight)
+            stochastic_round_staged(shadow, averaged)
 
     @torch.no_grad()
     def copy_to(self, module: torch.nn.Module) -> None:

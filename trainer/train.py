@@ -715,25 +715,27 @@ class Trainer:
             if data_iter is None:
                 sampler.set_epoch(epoch)
                 data_iter = iter(loader)
-            try:
-                raw = next(data_iter)
-            except StopIteration:
-                epoch += 1
-                data_iter = None
-                continue
-            batch = objective.prepare(raw)
+            with profiler.range("trainer: data"):
+                try:
+                    raw = next(data_iter)
+                except StopIteration:
+                    epoch += 1
+                    data_iter = None
+                    continue
+                batch = objective.prepare(raw)
             data_wait = time.perf_counter() - wait_start  # host time waiting for the loader
             samples_in_step = batch_size(batch)
             profiler.before_step(step + 1)
-            if guard is not None:
-                # Numbered as its step event will be (1-based), as SDDOCTOR_FAULT's step= counts.
-                result = guard.run_step(batch, objective.forward_backward, optimizer_step, step + 1)
-                if result.fell_back:
-                    self.log_fallback(guard, step + 1)
-            else:
-                result = run_step(
-                    ddp_model, batch, micro_batch, grad_accum, objective.forward_backward, optimizer_step
-                )
+            with profiler.range("trainer: step"):
+                if guard is not None:
+                    # Numbered as its step event will be (1-based), as SDDOCTOR_FAULT's step= counts.
+                    result = guard.run_step(batch, objective.forward_backward, optimizer_step, step + 1)
+                    if result.fell_back:
+                        self.log_fallback(guard, step + 1)
+                else:
+                    result = run_step(
+                        ddp_model, batch, micro_batch, grad_accum, objective.forward_backward, optimizer_step
+                    )
             del batch
             sampler.advance(samples_in_step)
             lr = used_lr[0]
