@@ -14,6 +14,11 @@ fi
 { nvidia-smi -L; $PY -c "import textual, sys; print('python', sys.version.split()[0], 'textual', textual.__version__)";
   $PY -c "import nvitop; print('nvitop', nvitop.__version__)" 2>/dev/null || echo "nvitop not importable"; } | tee "$OUT/env.txt"
 
+# Start-up is timed as an installed package starts: with bytecode (some hosts set
+# PYTHONDONTWRITEBYTECODE=1, and a source checkout would then compile every module at each start).
+$PY -m compileall -q sddoctor > /dev/null 2>&1 || true
+unset PYTHONDONTWRITEBYTECODE
+
 RUN="$OUT/run-workload"
 rm -rf "$RUN"; mkdir -p "$RUN"
 $PY scripts/gpu/tui_workload.py "$RUN" 100 > "$OUT/workload.log" 2>&1 &
