@@ -23,9 +23,9 @@ DUMP_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 PIPE_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 # The dump leaves out Python stack traces: sddoctor takes every rank's stack with py-spy, and the
 # watchdog thread that writes the dump needs the GIL to symbolize Python frames, which PyTorch
-# documents can deadlock; with it on, a rank whose collectives sddoctor traces (a second Python
-# thread, the heartbeat, is running) was seen to die of SIGSEGV a few seconds after its dump,
-# while the same dump in a process without that thread did not crash. A user's value wins.
+# documents can deadlock. (A rank whose collectives sddoctor traces was seen to die of SIGSEGV a
+# few seconds after its dump on torch 2.11 / H200, and still does with this off: that crash has
+# another cause, see tests/test_instrument_cuda.py.) A user's value wins.
 STACK_TRACE_ENV = "TORCH_INCLUDE_STACK_TRACE"
 TRACE_PREFIX = "nccl_trace_rank_"
 PIPE_PREFIX = "nccl_pipe_rank_"
