@@ -148,5 +148,6 @@ def test_training_run_writes_the_profile(tmp_path) -> None:
     assert summary["steps"] == 2 and summary["device"] == "cpu"
     assert {"convolution", "attention"} <= set(summary["kinds"])
     assert abs(sum(k["share"] for k in summary["kinds"].values()) - 1.0) < 0.01
+    assert not any(k["name"].startswith("trainer: ") for k in summary["top"])  # ranges, not operators
     assert (out / "profile" / "rank-0.trace.json.gz").stat().st_size > 0
     assert "convolution" in (out / "profile" / "rank-0.txt").read_text()

@@ -346,7 +346,9 @@ def _kernel_times(prof: Any, cuda: bool, steps: int) -> tuple[list[KernelTime], 
         out = [
             KernelTime(evt.key, kind_of(evt.key), int(evt.count), float(evt.self_cpu_time_total))
             for evt in prof.key_averages()
-            if evt.self_cpu_time_total > 0
+            # ranges (the trainer's own, `Optimizer.step#...`) are not operators: their self time is
+            # the Python between operators
+            if evt.self_cpu_time_total > 0 and not getattr(evt, "is_user_annotation", False)
         ]
         return out, 0.0, None
     totals: dict[str, list[float]] = {}
