@@ -72,6 +72,7 @@ def test_a_case_past_its_timeout_is_stopped_and_becomes_a_failed_row(tmp_path):
         (["--warmup", "0"], "--warmup must be at least 1"),
         (["--preset", "sdxl"], "unknown --preset"),
         (["--cases", "default@4", "--sweep-ddp"], "at least 2 ranks"),
+        (["--gpu-idle", "--warmup", "2"], "use --warmup 4 or more"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
@@ -126,3 +127,41 @@ def test_table_marks_failed_rows_and_keeps_columns_aligned():
     assert "FAILED: exit 2: unknown config key" in lines[3]
     assert lines[2].split() == ["default", "1", "8", "8", "2.00", "16.0", "16.0", "3.0", "16", "16.0%",
                                 "-", "-", "-"]  # fmt: skip
+
+
+def test_gpu_idle_profiles_warm_up_steps_and_reads_the_idle_share(tmp_path):
+    cmd = [
+        sys.executable, "-m", "trainer.bench", "--preset", "tiny", "--cases", "default@4", "--gpu-idle",
+        "--steps", "1", "--warmup", "4", "--json", "--workdir", str(tmp_path), "--timeout", "200",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    (row,) = report["rows"]
+    assert report["gpu_idle"] and row["ok"]
+    # the trainer profiled steps 2-3, inside the warm-up; a CPU has no GPU timeline to read idle from
+    profile = json.loads((tmp_path / "00-default-b4-n1" / "profile" / "rank-0.json").read_text())
+    assert profile["steps"] == 2 and row["profile"].endswith("rank-0.txt")
+    assert row["gpu_idle_share"] is None
+    assert "GPU idle" in bench.format_table(report)
+
+
+def test_gpu_idle_share_comes_from_the_step_profile(tmp_path):
+    from trainer.step_profile import KernelTime, idle_gaps, summarise
+
+    spans = [(0.0, 6000.0, "conv"), (8000.0, 10_000.0, "adam")]  # 2 ms idle in a 10 ms step
+    idle = idle_gaps(spans, [], steps=1)
+    summary = summarise([KernelTime("conv", "convolution", 1, 8000.0)], 10_000.0, 1, "cuda", 8000.0, idle)
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "rank-0.json").write_text(json.dumps(summary))
+    read = bench.read_gpu_idle(tmp_path)
+    assert read["gpu_idle_ms_per_step"] == 2.0 and read["gpu_idle_share"] == pytest.approx(0.2)
+    assert bench.read_gpu_idle(tmp_path / "missing")["gpu_idle_share"] is None
+    row = bench.Row(bench.Case("default", 8, 1), ok=True, it_s=2.0, images_s=16.0, extra=read).as_dict(
+        1e12, 100.0
+    )
+    report = {"preset": "tiny", "resolution": 32, "device": "cpu", "tflop_per_image": 1.0, "gpu_idle": True,
+              "peak_tflops": 100.0, "steps": 2, "warmup": 4, "rows": [row]}  # fmt: skip
+    lines = bench.format_table(report).splitlines()
+    assert lines[1].endswith("GPU idle")
+    assert lines[2].split()[-1] == "20.0%"

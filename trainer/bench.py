@@ -239,6 +239,12 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
         metavar="S",
         help="wall-clock budget in seconds: cases that would start past it are skipped (0: none)",
     )
+    parser.add_argument(
+        "--gpu-idle",
+        action="store_true",
+        help="profile the last two warm-up steps of every trainer case (train.profile_steps) and report "
+        "how much of the step the GPU sat idle between kernels (CUDA; needs --warmup 4 or more)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", default="", help="also write the JSON to FILE (and the table to FILE.txt)")
     args = parser.parse_args(argv)
@@ -246,6 +252,10 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
         parser.error("--steps must be at least 1")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the window starts at the last warm-up step)")
+    if args.gpu_idle and args.warmup < 4:
+        parser.error(
+            "--gpu-idle profiles the last two warm-up steps after two untouched ones: use --warmup 4 or more"
+        )
     if args.preset not in ("tiny", "sd15", "sd2-base"):
         parser.error(f"unknown --preset {args.preset!r}; valid: tiny, sd15, sd2-base")
     if not args.resolution:
@@ -384,6 +394,9 @@ def trainer_command(
     settings = common_settings(args, case, warmup + steps)
     settings.update(VARIANTS[case.loop])
     settings.update(case.extra)
+    if getattr(args, "gpu_idle", False) and warmup >= 4:
+        # inside the warm-up: profiled steps are slower, and the window starts at step `warmup`
+        settings["train.profile_steps"] = f"{warmup - 2}-{warmup - 1}"
     for key, value in PINNED_DEFAULTS.items():
         if settings.get(key) == value and not trainer_knows(key):
             del settings[key]
@@ -546,9 +559,28 @@ def run_case(
         m["data_wait"],
     )
     row.extra = {"run_dir": str(run_dir), "fallbacks": m["fallbacks"], "micro_batches": m["micro_batches"]}
+    if getattr(args, "gpu_idle", False):
+        row.extra.update(read_gpu_idle(run_dir))
     if m["fallbacks"] or m["micro_batches"] != [case.batch]:
         row.extra["note"] = "the OOM guard lowered the micro-batch"
     return row
+
+
+def read_gpu_idle(run_dir: Path) -> dict[str, Any]:
+    """The idle figures of rank 0's step profile (trainer.step_profile): ms per step the GPU waited
+    between its kernels and that share of the profiled step; None where there is no GPU timeline."""
+    path = run_dir / "profile" / "rank-0.json"
+    out: dict[str, Any] = {"gpu_idle_share": None, "gpu_idle_ms_per_step": None, "profile": None}
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return out
+    out["profile"] = str(path.with_suffix(".txt"))
+    idle = summary.get("idle")
+    if idle and summary.get("per_step_ms"):
+        out["gpu_idle_ms_per_step"] = idle["ms_per_step"]
+        out["gpu_idle_share"] = idle["ms_per_step"] / summary["per_step_ms"]
+    return out
 
 
 # -- device facts: GPU name, matmul peak, FLOPs per image ------------------------------------------
@@ -738,10 +770,13 @@ COLUMNS = [
     ("vs_reference", "vs ref", "{:.2f}x"),
     ("data_wait_share", "data wait", "{:.1%}"),
 ]
+#: shown when the run asked for it (--gpu-idle)
+GPU_IDLE_COLUMN = ("gpu_idle_share", "GPU idle", "{:.1%}")
 
 
 def format_table(report: dict[str, Any]) -> str:
-    header = [title for _, title, _ in COLUMNS]
+    columns = COLUMNS + ([GPU_IDLE_COLUMN] if report.get("gpu_idle") else [])
+    header = [title for _, title, _ in columns]
     body = []
     for r in report["rows"]:
         if not r["ok"]:
@@ -753,11 +788,11 @@ def format_table(report: dict[str, Any]) -> str:
                     str(r["global_batch"]),
                     f"FAILED: {r['error']}",
                 ]
-                + [""] * (len(COLUMNS) - 5)
+                + [""] * (len(columns) - 5)
             )
             continue
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             value = r.get(key)
             cells.append("-" if value is None else fmt.format(value))
         body.append(cells)
@@ -855,6 +890,7 @@ def make_report(
         "tflop_per_image": flops / 1e12,
         "steps": args.steps,
         "warmup": args.warmup,
+        "gpu_idle": bool(getattr(args, "gpu_idle", False)),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workdir": str(workdir),
         "rows": [r.as_dict(flops, device.get("peak_tflops")) for r in rows],

@@ -27,7 +27,7 @@ python3 -c "import torch, diffusers, transformers; print('torch', torch.__versio
 if [ "${PERF_TABLE:-1}" = 1 ]; then
 timeout -k 15 540 python3 -m trainer.bench --preset sd2-base --warmup 5 --steps 15 \
     --cases reference@32,default@32,saver@4,cached@32,bf16w@32,reference@16,default@48 \
-    --budget 420 --timeout 300 --workdir "$WORK/table" --out "$OUT/perf/bench.json"
+    --gpu-idle --budget 420 --timeout 300 --workdir "$WORK/table" --out "$OUT/perf/bench.json"
 echo "bench exit code $?" | tee -a "$OUT/perf/gpu.txt"
 fi
 
