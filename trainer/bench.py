@@ -394,7 +394,7 @@ def trainer_command(
     settings = common_settings(args, case, warmup + steps)
     settings.update(VARIANTS[case.loop])
     settings.update(case.extra)
-    if getattr(args, "gpu_idle", False) and warmup >= 4:
+    if args.gpu_idle and warmup >= 4:
         # inside the warm-up: profiled steps are slower, and the window starts at step `warmup`
         settings["train.profile_steps"] = f"{warmup - 2}-{warmup - 1}"
     for key, value in PINNED_DEFAULTS.items():
@@ -559,7 +559,7 @@ def run_case(
         m["data_wait"],
     )
     row.extra = {"run_dir": str(run_dir), "fallbacks": m["fallbacks"], "micro_batches": m["micro_batches"]}
-    if getattr(args, "gpu_idle", False):
+    if args.gpu_idle:
         row.extra.update(read_gpu_idle(run_dir))
     if m["fallbacks"] or m["micro_batches"] != [case.batch]:
         row.extra["note"] = "the OOM guard lowered the micro-batch"
@@ -890,7 +890,7 @@ def make_report(
         "tflop_per_image": flops / 1e12,
         "steps": args.steps,
         "warmup": args.warmup,
-        "gpu_idle": bool(getattr(args, "gpu_idle", False)),
+        "gpu_idle": args.gpu_idle,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workdir": str(workdir),
         "rows": [r.as_dict(flops, device.get("peak_tflops")) for r in rows],

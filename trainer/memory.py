@@ -334,11 +334,13 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
             if masters:
                 _copy_all([p for p, _ in masters], [w for _, w in masters])  # nearest rounding
         elif staged is not None:
-            if self.stochastic_rounding and all(p.dtype == torch.bfloat16 for p in params):
+            if not self.stochastic_rounding:
+                _copy_all(params, weights)  # nearest rounding
+            elif all(p.dtype == torch.bfloat16 for p in params):
                 stochastic_round_staged(params, staged)
-            else:
+            else:  # bf16 and other parameters in one list
                 for p, w in zip(params, weights, strict=True):
-                    if self.stochastic_rounding and p.dtype == torch.bfloat16:
+                    if p.dtype == torch.bfloat16:
                         stochastic_round_to_bf16(w, p)
                     else:
                         p.copy_(w)

@@ -314,7 +314,10 @@ def idle_gaps(
         row[1] += b - a
     per_step = max(steps, 1) * 1000.0
     first = ordered[0][0]
-    biggest = sorted(zip(long_gaps, stacks, strict=True), key=lambda gs: gs[0][0] - gs[0][1])[:largest]
+    longest_first = sorted(
+        zip(long_gaps, stacks, strict=True), key=lambda gs: gs[0][1] - gs[0][0], reverse=True
+    )
+    biggest = longest_first[:largest]
     return {
         "min_gap_ms": min_gap_us / 1000,
         "ms_per_step": round(sum(b - a for a, b, _ in gaps) / per_step, 3),
