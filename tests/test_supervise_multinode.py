@@ -8,12 +8,22 @@ import sys
 import time
 
 import psutil
+import pytest
 from supervise_fixtures import SCRIPT, script_line
 
 from conftest import free_port, subprocess_env
 
 
-def test_two_nodes_share_state_and_name_the_remote_culprit(tmp_path):
+@pytest.mark.parametrize(
+    "hang_timeouts",
+    [
+        pytest.param((4, 4), id="same-timeout"),
+        # node 1 reaches its timeout first; its --on-hang kill must wait until node 0, told of the
+        # hang, has taken its own rank's stack (else node 0's rank dies of "connection closed")
+        pytest.param((12, 4), id="node1-first"),
+    ],
+)
+def test_two_nodes_share_state_and_name_the_remote_culprit(tmp_path, hang_timeouts):
     ports = [free_port(), free_port()]
     master = free_port()
     procs = []
@@ -21,7 +31,8 @@ def test_two_nodes_share_state_and_name_the_remote_culprit(tmp_path):
     env = subprocess_env(STEPS="50", SDDOCTOR_FAULT="skip:rank=1,seq=5")
     for node in (1, 0):
         cmd = [
-            sys.executable, "-m", "sddoctor", "run", "--quiet", "--hang-timeout", "4", "--on-hang", "kill",
+            sys.executable, "-m", "sddoctor", "run", "--quiet", "--hang-timeout", str(hang_timeouts[node]),
+            "--on-hang", "kill",
             "--port", str(ports[node]), "--peers", f"127.0.0.1:{ports[1 - node]}",
             "--run-dir", str(tmp_path / f"node{node}"), "--",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
@@ -59,3 +70,6 @@ def test_two_nodes_share_state_and_name_the_remote_culprit(tmp_path):
         1,
         script_line("# COLLECTIVE"),
     )
+    assert report["ranks"]["0"]["stack"]["ok"]  # node 0 took its rank's stack before the job ended
+    if hang_timeouts[0] > hang_timeouts[1]:
+        assert v["details"]["declared_by_peer"] == f"127.0.0.1:{ports[1]}"

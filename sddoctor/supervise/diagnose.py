@@ -509,7 +509,9 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     ]
     if state.stacks_problem:
         evidence.append(f"stacks: {state.stacks_problem}")
-    base = {"stalled_seconds": stalled, "hang_timeout": state.hang_timeout}
+    base: dict[str, Any] = {"stalled_seconds": stalled, "hang_timeout": state.hang_timeout}
+    if state.hang_declared_by is not None:
+        base["declared_by_peer"] = state.hang_declared_by
 
     if not waiting:
         loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]

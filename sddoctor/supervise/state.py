@@ -150,6 +150,9 @@ class RunState:
     #: its doing, not crashes.
     stopped_by_supervisor: str | None = None
     stopped_at: float | None = None
+    #: The peer supervisor (host:port) that diagnosed a hang of the job (several nodes): this node
+    #: takes its own ranks' stacks then too, before the peer's --on-hang kill takes them down.
+    hang_declared_by: str | None = None
 
     @property
     def stalled_for(self) -> float:
@@ -172,4 +175,4 @@ class RunState:
             # model, reading data), which has no progress to measure. A rank stuck in the first
             # collective counts: it has issued it.
             return False
-        return self.stalled_for >= self.hang_timeout
+        return self.stalled_for >= self.hang_timeout or self.hang_declared_by is not None

@@ -28,6 +28,9 @@ EXIT_NOT_FOUND = 127
 EXIT_INTERRUPTED = 130
 
 POLL_SECONDS = 1.0
+#: With --peers and --on-hang kill: how long a node that diagnosed a hang waits for the other
+#: nodes to take their own ranks' stacks before it kills its ranks (which takes theirs down too).
+PEER_HANG_GRACE = 10.0
 INTERRUPT_GRACE = 10.0
 
 
@@ -71,6 +74,7 @@ class Supervisor:
         self.stopped_by: str | None = None
         self.stopped_at: float | None = None
         self.killed_for_hang = False
+        self.handling_hang = False  # a hang diagnosed and not resolved: peers take their stacks too
         self.server: StateServer | None = None
         self.remote: dict[str, dict[str, Any]] = {}
         self._published: dict[str, Any] = {}
@@ -177,11 +181,14 @@ class Supervisor:
         state.stderr_tail = list(self.job.stderr_tail)
         state.stopped_by_supervisor = self.stopped_by
         state.stopped_at = self.stopped_at
+        state.hang_declared_by = self._peer_hang(state)
         if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != state.last_progress):
             self.hang_handled_at = (state.last_progress,)
             self.on_hang(state)
         verdicts = diagnose(state)
         resumed = self.hang_handled_at is not None and state.last_progress != self.hang_handled_at[0]
+        if resumed:
+            self.handling_hang = False
         if self.hang_verdicts and resumed and self.stopped_by is None and self.job.exit_code is None:
             for v in self.hang_verdicts:
                 v.details["resolved"] = True  # progress resumed after the stall
@@ -225,12 +232,44 @@ class Supervisor:
             self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
             self.printed.add((v.kind, v.culprit_rank))
         self._write(state, outcome="hang", exit_code=None)
+        self.handling_hang = True
+        self.state, self.verdicts = state, _merge(self.hang_verdicts, self.verdicts)
+        self._publish()  # the peers learn of the hang now, not at the next tick
         if self.opts.on_hang == "kill":
+            self._await_peer_stacks()
             self.say("--on-hang kill: stopping the job")
             self.killed_for_hang = True
             self.stopped_by = "hang"
             self.stopped_at = time.time()
             self.job.kill_tree(grace=3.0)
+
+    def _peer_hang(self, state: RunState) -> str | None:
+        """The peer that diagnosed a hang, once this node has seen no progress for half the timeout.
+
+        Node clocks and poll phases differ, so one node reaches the timeout first; with --on-hang
+        kill its ranks' end would take the other nodes' ranks down (a "connection closed by peer"
+        crash) before those nodes took their stacks. The half-timeout floor keeps a peer still
+        flagging a stall that has just resolved here from starting a second diagnosis.
+        """
+        if state.stalled_for < 0.5 * state.hang_timeout:
+            return None
+        for peer, snapshot in list(self.remote.items()):
+            if snapshot.get("hang_handled"):
+                return peer
+        return None
+
+    def _await_peer_stacks(self) -> None:
+        """Before --on-hang kill with --peers: give every reached peer up to PEER_HANG_GRACE seconds
+        to diagnose the hang and take its own ranks' stacks."""
+        peers = [p for p in self.opts.peers if p in self.remote]
+        if not peers:
+            return
+        self.say(f"waiting up to {PEER_HANG_GRACE:.0f} s for {len(peers)} peer(s) to take their stacks")
+        deadline = time.time() + PEER_HANG_GRACE
+        while time.time() < deadline and self.job.poll() is None:
+            if all(self.remote.get(p, {}).get("hang_handled") for p in peers):
+                return
+            time.sleep(0.1)
 
     # -- end ------------------------------------------------------------------------------------
 
@@ -300,6 +339,7 @@ class Supervisor:
             "ranks": {str(r): rank_summary(state.ranks[r]) for r in sorted(state.ranks)},
             "verdicts": [v.to_dict() for v in self.verdicts],
             "hang": {"stalled_seconds": round(state.stalled_for, 1), "timeout": state.hang_timeout},
+            "hang_handled": self.handling_hang,
             "t": state.now,
         }
         with self._lock:
