@@ -167,7 +167,6 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         self._weights32 = Float32Workspace()
         self._moments32 = (Float32Workspace(), Float32Workspace())
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
-        self._step_filled: dict[torch.device, int] = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but state tensors keep their own dtype (torch casts them to the parameter's:
@@ -217,11 +216,14 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
             bias1 = 1 - beta1**step
             bias2_sqrt = math.sqrt(1 - beta2**step)
             fused = self._fused_applies(params, states)
+            step_tensors: dict[torch.device, torch.Tensor] = {}
             for chunk in self._chunks(params):
                 chunk_states = [states[id(p)] for p in chunk]
                 if fused:
-                    step_tensor = self._step_tensor(chunk[0].device, step)
-                    self._fused_update(chunk, chunk_states, step_tensor, lr, beta1, beta2, eps, wd)
+                    device = chunk[0].device
+                    if device not in step_tensors:
+                        step_tensors[device] = self._step_tensor(device, step)
+                    self._fused_update(chunk, chunk_states, step_tensors[device], lr, beta1, beta2, eps, wd)
                 else:
                     self._update(chunk, chunk_states, lr, beta1, beta2, eps, wd, bias1, bias2_sqrt)
         return loss
@@ -232,10 +234,7 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         tensor = self._step_tensors.get(device)
         if tensor is None:
             tensor = self._step_tensors[device] = torch.zeros((), dtype=torch.float32, device=device)
-        if self._step_filled.get(device) != step:
-            tensor.fill_(float(step))
-            self._step_filled[device] = step
-        return tensor
+        return tensor.fill_(float(step))
 
     def _fused_applies(self, params: list[torch.Tensor], states: dict[int, dict[str, Any]]) -> bool:
         """fp32 moments and fp32 weights to update (a master copy or fp32 parameters), one device
