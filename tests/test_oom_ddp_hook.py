@@ -17,7 +17,7 @@ from pathlib import Path
 from conftest import REPO_ROOT, subprocess_env
 
 WORKER = r"""
-import json, sys
+import gc, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from sddoctor.instrument import ddp_hook, ddp_patch
@@ -80,6 +80,11 @@ out["micro_batch"] = guard.micro_batch
 out["guard_buckets"] = guard.stats()["buckets"]
 out["params"] = [float(p.sum()) for p in module.parameters()]
 json.dump(out, open(sys.argv[1] + f"/rank{rank}.json", "w"))
+# Free the DDP models and guards (and the gloo work objects they reach) while Python is fully alive:
+# as module globals they would go at interpreter teardown, where gloo's threads releasing them was
+# seen to abort a rank once ("terminate called without an active exception"), as the trainer was.
+del plain, user, guard, module, state
+gc.collect()
 dist.destroy_process_group()
 """
 
