@@ -161,7 +161,7 @@ def test_kill_tree_reaches_stubborn_and_escaped_descendants(tmp_path):
         ),
         (["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "t.py"], "torchrun", 2, 0),
         (["accelerate", "launch", "--num_processes", "3", "t.py"], "accelerate", 3, 0),
-        (["python", "t.py"], "python", 1, 0),
+        (["python", "t.py"], "python", None, 0),
         (["bash", "launch.sh"], "other", None, 0),
     ],
 )

@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sddoctor.instrument.faults import Fault, faults_from_env
+from sddoctor.codepaths import current_roots
+from sddoctor.instrument.faults import Fault, FaultSpecError, faults_from_env
+from sddoctor.instrument.safety import flush_pending, guarded, internal_error
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
@@ -36,6 +38,8 @@ from sddoctor.telemetry.writer import TelemetryWriter
 
 class InjectedFault(RuntimeError):
     """Raised by a `raise:` fault of SDDOCTOR_FAULT."""
+
+    sddoctor_injected = True  # raised on purpose: sddoctor's own guards let it through
 
 
 class RankSession:
@@ -52,6 +56,7 @@ class RankSession:
         rank_known: bool = True,
     ) -> None:
         self.run_dir = run_dir
+        self.pid = os.getpid()  # a forked child inherits this object; it is not this rank
         self.rank = rank
         self.local_rank = local_rank
         self.world_size = world_size
@@ -67,6 +72,9 @@ class RankSession:
         self.current_step: int | None = None
         self.tracer: Any = None
         self.heartbeat: Any = None
+        #: steps inferred from the DDP model (see `steps`); None until tracing is installed
+        self.inference: Any = None
+        self.infer_steps = True
         self._fired: set[str] = set()
         self._exit: tuple[str, int | None] | None = None
         self._exit_written = False
@@ -89,12 +97,28 @@ class RankSession:
             self.set_rank(0)
 
     def step(self, step: int, **fields: Any) -> None:
-        """Record a finished step (fields: loss, samples, step_time, micro_batch, ...) and fire step faults."""
+        """Record a finished step (fields: loss, samples, step_time, micro_batch, ...) and fire step faults.
+
+        An explicit step turns step inference off: the program counts its own steps.
+        """
+        self.infer_steps = False
+        if self.inference is not None:
+            self.inference.stop()
+        self.record_step(step, **fields)
+        self.begin_step(step + 1)
+
+    def record_step(self, step: int, **fields: Any) -> None:
+        """Write a finished step without starting the next one (inferred steps start at the next forward)."""
         if not self.rank_known:
             self._settle_rank()
         self.writer.emit(EventKind.STEP, step=step, **fields)
         self.writer.update_state(step=step, last_step=dict(fields, step=step, t=time.time()))
-        self.begin_step(step + 1)
+
+    def waiting(self, what: str | None, caller: str | None = None) -> None:
+        """Mark that this rank waits for its peers outside any traced collective (rendezvous, DDP's
+        construction), or that it no longer does (`what=None`)."""
+        marker = {"what": what, "since": time.time(), "caller": caller} if what else None
+        self.writer.update_state(waiting=marker)
 
     def begin_step(self, step: int) -> None:
         """Mark the start of `step`; fires faults bound to it. `step()` calls this for the next step."""
@@ -214,11 +238,13 @@ class RankSession:
 
         self.tracer = tracing.install(self.rank, self.all_faults, self)
         self.heartbeat = Heartbeat(self.writer, self.tracer)
+        tracing._before_init.append(self._before_init)
         tracing._after_init.append(self._after_init)
         from sddoctor.instrument import ddp_patch
         from sddoctor.instrument.importhook import when_imported
 
         when_imported("torch.nn.parallel.distributed", ddp_patch.install)
+        ddp_patch.add_post_construct(self._on_ddp_model)
         try:
             import torch.distributed as dist
 
@@ -231,8 +257,28 @@ class RankSession:
 
         self.tracer.ddp_stats = ddp_hook.stats
 
+    def _on_ddp_model(self, ddp_model: Any) -> None:
+        """A DistributedDataParallel was constructed: infer steps from it unless the program counts
+        its own."""
+        if not self.infer_steps or _session is not self:
+            return
+        if self.inference is None:
+            from sddoctor.instrument.steps import StepInference
+
+            self.inference = StepInference(self)
+        self.inference.attach(ddp_model)
+
+    def _before_init(self, rank: int | None, world_size: int | None) -> None:
+        if _session is self:
+            from sddoctor.instrument import tracing
+
+            self.waiting("init_process_group", tracing.user_caller())
+
     def _after_init(self) -> None:
         import torch.distributed as dist
+
+        if self.writer._state.get("waiting"):
+            self.waiting(None)
 
         rank, world = dist.get_rank(), dist.get_world_size()
         if not self.rank_known:
@@ -272,6 +318,7 @@ def enable(
     local_rank: int | None = None,
     world_size: int | None = None,
     trace: bool = True,
+    infer_steps: bool = True,
     **start_fields: Any,
 ) -> RankSession | None:
     """Start this rank's session (idempotent). Without `run_dir`, uses SDDOCTOR_RUN_DIR or does nothing.
@@ -281,9 +328,34 @@ def enable(
     Safe before or after init_process_group. The rank comes from `rank`, else RANK, else the
     default process group once it exists. A second call adds its `start_fields` (device,
     backend, ...) to the state snapshot and may turn tracing on.
+    `infer_steps=False`: the program reports its steps itself (`step()`); do not infer them from DDP.
+    Errors of sddoctor's own are recorded (`internal_error`), never raised; a malformed
+    SDDOCTOR_FAULT raises FaultSpecError.
     """
+    try:
+        return _enable(run_dir, rank, local_rank, world_size, trace, infer_steps, start_fields)
+    except FaultSpecError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        internal_error("enable", exc)
+        return _session
+
+
+def _enable(
+    run_dir: str | os.PathLike[str] | None,
+    rank: int | None,
+    local_rank: int | None,
+    world_size: int | None,
+    trace: bool,
+    infer_steps: bool,
+    start_fields: dict[str, Any],
+) -> RankSession | None:
     global _session
     if _session is not None:
+        if not infer_steps:
+            _session.infer_steps = False
+            if _session.inference is not None:
+                _session.inference.stop()
         if start_fields:
             _session.writer.update_state(**start_fields)
         if trace:
@@ -302,6 +374,7 @@ def enable(
     _session = RankSession(
         RunDir(Path(target)), rank, local_rank, world_size, faults_from_env(), rank_known=rank_known
     )
+    _session.infer_steps = infer_steps
     atexit.register(_close_at_exit, _session)
     if start_fields:
         _session.writer.update_state(**{k: v for k, v in start_fields.items() if k in ("device", "backend")})
@@ -312,8 +385,10 @@ def enable(
         local_rank=local_rank,
         world_size=world_size,
         argv=list(sys.argv),
+        code_roots=current_roots().to_dict(),
         **start_fields,
     )
+    flush_pending()
     if trace:
         from sddoctor.instrument import exit_hooks
 
@@ -321,6 +396,63 @@ def enable(
         _session.enable_fatal_dump()
         _trace_when_possible(_session)
     return _session
+
+
+def arm_on_init() -> None:
+    """For a job process that is not a rank yet (no RANK in its environment: an mp.spawn worker, a
+    multiprocessing.Process, a plain script): trace torch.distributed from its import on, and make
+    this process a rank when it calls init_process_group, with the rank and world size of that call.
+    A process that never joins a process group (the parent that only spawns) stays out."""
+    from sddoctor.instrument.importhook import when_imported
+
+    when_imported("torch.distributed", _arm)
+
+
+def _arm(_module: Any = None) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from sddoctor.instrument import tracing
+
+    tracing.patch()
+    if _join_at_init not in tracing._before_init:
+        tracing._before_init.append(_join_at_init)
+        tracing._after_init.append(_joined)
+
+
+def _join_at_init(rank: int | None, world_size: int | None) -> None:
+    """init_process_group was called: this process becomes that rank (if the call says which)."""
+    if _session is not None or rank is None:
+        return
+    _become_rank(rank, world_size)
+    if _session is not None:
+        from sddoctor.instrument import tracing
+
+        _session.waiting("init_process_group", tracing.user_caller())
+
+
+def _joined() -> None:
+    """init_process_group returned: a rank not known at its entry is known now."""
+    if _session is None:
+        rank, known = _initialized_rank()
+        if known:
+            import torch.distributed as dist
+
+            _become_rank(rank, dist.get_world_size())
+    elif _session.writer._state.get("waiting"):
+        _session.waiting(None)
+
+
+def _become_rank(rank: int, world_size: int | None) -> None:
+    from sddoctor.instrument.boot import RANK_PID_ENV
+
+    os.environ[RANK_PID_ENV] = str(os.getpid())  # this process's children are not ranks
+    try:
+        enable(rank=rank, world_size=world_size, bootstrap=True, joined_at="init_process_group")
+    except FaultSpecError as exc:  # checked at start-up already; kept for safety
+        print(f"sddoctor: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
 
 
 def _trace_when_possible(session: RankSession) -> None:
@@ -361,31 +493,37 @@ def active() -> RankSession | None:
     return _session
 
 
+@guarded("sdi.step")
 def step(step: int, **fields: Any) -> None:
     if _session is not None:
         _session.step(step, **fields)
 
 
+@guarded("sdi.begin_step")
 def begin_step(step: int) -> None:
     if _session is not None:
         _session.begin_step(step)
 
 
+@guarded("sdi.phase")
 def phase(name: str) -> None:
     if _session is not None:
         _session.phase(name)
 
 
+@guarded("sdi.event")
 def event(kind: EventKind | str, **fields: Any) -> None:
     if _session is not None:
         _session.writer.emit(kind, **fields)
 
 
+@guarded("sdi.update_state")
 def update_state(**fields: Any) -> None:
     if _session is not None:
         _session.writer.update_state(**fields)
 
 
+@guarded("sdi.disable")
 def disable(status: str = "ok", code: int = 0) -> None:
     """Close the session: an `exit` event and a final flush. Tracing is removed."""
     global _session
@@ -407,12 +545,15 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _caller() -> str:
-    """file:line of the first frame outside sddoctor (where the user's code is)."""
+    """file:line of the innermost frame of the user's own code (else the first outside sddoctor)."""
+    roots = current_roots()
     frame = sys._getframe(1)
-    here = str(Path(__file__).resolve().parent.parent)
+    fallback = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(here):
+        if roots.is_user(filename):
             return f"{filename}:{frame.f_lineno}"
+        if fallback is None and not roots.is_internal(filename):
+            fallback = f"{filename}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
-    return "?"
+    return fallback or "?"

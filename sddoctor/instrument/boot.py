@@ -6,10 +6,13 @@ The supervisor merges `rank_environment(run_dir)` into the job's environment. Th
 the rank session (telemetry, exception/SIGTERM hooks) and arranges for torch.distributed to be
 traced the moment it is imported, before the user's script can bind its functions.
 
-A process is a rank when SDDOCTOR_RUN_DIR and RANK are set, it is not a launcher (torchrun,
-python -m torch.distributed.run, accelerate launch), and no ancestor rank has marked the
-environment (SDDOCTOR_RANK_PID, set by an enabled rank, tells its DataLoader workers,
-compile workers and other children that they are not ranks).
+A process of the job that is not a launcher (torchrun, python -m torch.distributed.run,
+accelerate launch) and that no ancestor rank has marked (SDDOCTOR_RANK_PID, set by a rank, tells its
+DataLoader workers, compile workers and other children that they are not ranks) is instrumented:
+- with RANK in its environment (a launcher started it) it is a rank from its first line on;
+- without (an mp.spawn worker, a multiprocessing.Process, a plain script) it becomes a rank when it
+  calls init_process_group, with the rank and world size of that call (`api.arm_on_init`). The
+  parent that only spawns workers never joins a process group, so it is not a rank.
 """
 
 from __future__ import annotations
@@ -65,11 +68,20 @@ def rank_environment(
 
 
 def is_rank_process(environ: dict[str, str] | None = None, argv: list[str] | None = None) -> bool:
-    """Whether this process should instrument itself (see the module docstring)."""
+    """Whether this process is a rank from its start (a launcher set RANK; see the module docstring)."""
     env = os.environ if environ is None else environ
-    if env.get(BOOTSTRAP_ENV, "1") == "0":
+    if not is_job_process(env, argv) or "RANK" not in env:
         return False
-    if not env.get(RUN_DIR_ENV) or "RANK" not in env:
+    # A multiprocessing child that inherited RANK is not that rank: it becomes one only if it
+    # joins a process group itself.
+    args = list(getattr(sys, "orig_argv", sys.argv)) if argv is None else argv
+    return not any(arg == "-c" and "multiprocessing" in nxt for arg, nxt in zip(args, args[1:], strict=False))
+
+
+def is_job_process(environ: dict[str, str] | None = None, argv: list[str] | None = None) -> bool:
+    """Whether this process is part of a supervised job, is no launcher and no child of a rank."""
+    env = os.environ if environ is None else environ
+    if env.get(BOOTSTRAP_ENV, "1") == "0" or not env.get(RUN_DIR_ENV):
         return False
     owner = env.get(RANK_PID_ENV)
     if owner and owner != str(os.getpid()):
@@ -80,26 +92,29 @@ def is_rank_process(environ: dict[str, str] | None = None, argv: list[str] | Non
     for i, arg in enumerate(args[:-1]):
         if arg == "-m" and args[i + 1] in _LAUNCHER_MODULES:
             return False
-        if arg == "-c" and "multiprocessing" in args[i + 1]:
-            return False
     if any(os.path.basename(a) in _LAUNCHER_PROGRAMS for a in args[1:2]):
         return False  # `python /path/to/torchrun ...`
     return True
 
 
 def bootstrap() -> bool:
-    """Enable this rank's session if this is a rank process. True if it did."""
-    if not is_rank_process():
+    """Instrument this process if it belongs to the job. True if it is a rank already."""
+    if not is_job_process():
         return False
-    from sddoctor.instrument import api
-    from sddoctor.instrument.faults import FaultSpecError
+    from sddoctor.instrument import api, spawn
+    from sddoctor.instrument.faults import FaultSpecError, faults_from_env
 
-    os.environ[RANK_PID_ENV] = str(os.getpid())
     try:
-        session = api.enable(trace=True, bootstrap=True)
+        faults_from_env()  # a bad SDDOCTOR_FAULT stops every process at once, ranks or not
     except FaultSpecError as exc:
-        # A bad SDDOCTOR_FAULT must stop the run, not be ignored (site.py would swallow a raise).
+        # site.py would swallow a raise: say it and exit as the supervisor does for usage errors
         print(f"sddoctor: {exc}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(2)
+    spawn.install()
+    if not is_rank_process():
+        api.arm_on_init()
+        return False
+    os.environ[RANK_PID_ENV] = str(os.getpid())
+    session = api.enable(trace=True, bootstrap=True)
     return session is not None

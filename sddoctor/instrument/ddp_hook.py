@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sddoctor.instrument.safety import internal_error
+
 
 @dataclass(frozen=True)
 class BucketInfo:
@@ -58,8 +60,11 @@ class CommHookState:
         self.last_bucket_t: float | None = None
         #: called with the bucket index just before it is launched (fault injection); may raise
         self.before_launch: Callable[[int], None] | None = None
-        #: called right after the last bucket of a backward was launched
+        #: called right after the last bucket of a backward was launched (the OOM guard's agreement)
         self.after_last_launch: Callable[[], None] | None = None
+        #: called right after the last bucket too: a synchronised backward ended (step inference);
+        #: must not raise
+        self.on_synced_backward: Callable[[], None] | None = None
 
     def attach(self, process_group: dist.ProcessGroup | None) -> None:
         """A new DDP wrapper took over: its bucket layout is not known yet."""
@@ -87,6 +92,7 @@ class CommHookState:
             self.last_bucket_t = max(self.last_bucket_t or 0.0, previous.last_bucket_t)
         self.before_launch = previous.before_launch
         self.after_last_launch = previous.after_last_launch
+        self.on_synced_backward = self.on_synced_backward or previous.on_synced_backward
         previous.buckets, previous.seconds, previous.last_bucket_t = 0, 0.0, None
 
     # Pickling a DDP model drops comm hooks anyway; keep the state picklable for safety.
@@ -95,36 +101,51 @@ class CommHookState:
         state["process_group"] = None
         state["before_launch"] = None
         state["after_last_launch"] = None
+        state["on_synced_backward"] = None
         return state
 
 
 # No annotations: DDP inspects them and rejects the strings that `from __future__ import annotations` makes.
 def _averaging_allreduce_hook(state, bucket):
     index = bucket.index()
-    if index == 0:
-        state.launched = []
     if state.before_launch is not None:
-        state.before_launch(index)
+        state.before_launch(index)  # the OOM guard's fault injection: may raise on purpose
     buffer = bucket.buffer()
-    state.launched.append(BucketInfo(index, buffer.numel(), buffer.dtype, buffer.device))
-    if bucket.is_last():
-        state.layout = list(state.launched)
-        state.full_backwards += 1
+    last = bucket.is_last()
+    try:
+        _account_launch(state, index, buffer, last)
+    except Exception as exc:  # noqa: BLE001 - accounting must never break the user's backward
+        internal_error("ddp comm hook", exc)
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     # Same arithmetic as DDP's default hook: divide first, then sum (bitwise identical results).
     buffer.div_(dist.get_world_size(group))
     started = time.perf_counter()
 
-    def _done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        state.buckets += 1
-        state.seconds += time.perf_counter() - started
-        state.last_bucket_t = time.time()
+    def _done(fut):
+        try:
+            state.buckets += 1
+            state.seconds += time.perf_counter() - started
+            state.last_bucket_t = time.time()
+        except Exception as exc:  # noqa: BLE001
+            internal_error("ddp comm hook completion", exc)
+        # As DDP's default hook does; a failed all-reduce raises here exactly as it would there.
         return fut.value()[0]
 
     fut = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_done)
-    if bucket.is_last() and state.after_last_launch is not None:
-        state.after_last_launch()
+    if last:
+        for callback in (state.after_last_launch, state.on_synced_backward):
+            if callback is not None:
+                callback()
     return fut
+
+
+def _account_launch(state: CommHookState, index: int, buffer: torch.Tensor, last: bool) -> None:
+    if index == 0:
+        state.launched = []
+    state.launched.append(BucketInfo(index, buffer.numel(), buffer.dtype, buffer.device))
+    if last:
+        state.layout = list(state.launched)
+        state.full_backwards += 1
 
 
 # The state of every live hooked model, for the process-wide stats(); states die with their models.
@@ -184,9 +205,12 @@ def install_on_first_forward(ddp_model: torch.nn.parallel.DistributedDataParalle
     """
 
     def _first_forward(module: torch.nn.Module, args: Any) -> None:
-        handle.remove()
-        if installed_state(module) is None and not module.__dict__.get(_CLAIMED_ATTR, False):
-            install(module)  # type: ignore[arg-type]
+        try:
+            handle.remove()
+            if installed_state(module) is None and not module.__dict__.get(_CLAIMED_ATTR, False):
+                install(module)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - the model runs without sddoctor's hook then
+            internal_error("ddp comm hook install", exc)
 
     handle = ddp_model.register_forward_pre_hook(_first_forward)
 

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from sddoctor.instrument.safety import internal_error
+
 PostConstruct = Callable[[Any], None]
 _callbacks: list[PostConstruct] = []
 _REGISTER_METHODS = ("register_comm_hook", "register_builtin_comm_hook")
@@ -39,9 +41,12 @@ def _marking_registration(register: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(register)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = register(self, *args, **kwargs)
-        from sddoctor.instrument import ddp_hook
+        try:
+            from sddoctor.instrument import ddp_hook
 
-        ddp_hook.mark_claimed(self)
+            ddp_hook.mark_claimed(self)
+        except Exception as exc:  # noqa: BLE001
+            internal_error("ddp comm hook registration", exc)
         return result
 
     wrapper.__sddoctor_original__ = register  # type: ignore[attr-defined]
@@ -65,7 +70,7 @@ def install(_module: Any = None) -> bool:
             try:
                 callback(self)
             except Exception as exc:  # noqa: BLE001 - never break the user's model construction
-                print(f"sddoctor: DDP post-construct {callback!r} failed: {exc!r}", file=sys.stderr)
+                internal_error(f"DDP post-construct {getattr(callback, '__name__', callback)}", exc)
 
     __init__.__sddoctor_original__ = init  # type: ignore[attr-defined]
     cls.__init__ = __init__

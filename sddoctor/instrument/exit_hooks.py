@@ -30,20 +30,25 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-_SDDOCTOR_DIR = str(Path(__file__).resolve().parent.parent) + os.sep
+from sddoctor.codepaths import current_roots
+
 _installed: dict[str, Any] = {}
 
 
 def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, Any]:
     """The fields of an `exception` event."""
     frames = traceback.extract_tb(tb) if tb is not None else []
+    roots = current_roots()
     caller = None
-    for fs in reversed(frames):
-        if not fs.filename.startswith(_SDDOCTOR_DIR) and f"{os.sep}torch{os.sep}" not in fs.filename:
+    for fs in reversed(frames):  # the innermost frame of the user's own code
+        if roots.is_user(fs.filename):
             caller = f"{fs.filename}:{fs.lineno}"
             break
-    if caller is None and frames:
-        caller = f"{frames[-1].filename}:{frames[-1].lineno}"
+    if caller is None:  # none: the innermost outside torch and sddoctor, else the innermost
+        outside = [fs for fs in frames if not roots.is_internal(fs.filename)]
+        chosen = (outside or frames or [None])[-1]
+        if chosen is not None:
+            caller = f"{chosen.filename}:{chosen.lineno}"
     return {
         "type": type(exc).__name__,
         "message": str(exc)[:4000],

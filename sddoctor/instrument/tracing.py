@@ -45,7 +45,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sddoctor.codepaths import CodeRoots, current_roots
 from sddoctor.instrument.faults import Fault
+from sddoctor.instrument.safety import internal_error, is_injected
 from sddoctor.telemetry.schema import EventKind
 
 #: ops whose first tensor argument is written in place (shape faults copy the result back)
@@ -104,8 +106,10 @@ _MAX_LISTED = 8  # tensors of one call whose shapes are recorded
 _tls = threading.local()
 _tracer: Tracer | None = None
 _originals: dict[tuple[Any, str], Any] = {}
-_internal_prefixes: tuple[str, ...] = ()
-_internal_code: dict[Any, bool] = {}
+_roots: CodeRoots | None = None
+#: per code object: _INTERNAL (torch, sddoctor), _LIBRARY (other installed code) or _USER
+_code_kind: dict[Any, int] = {}
+_INTERNAL, _LIBRARY, _USER = 0, 1, 2
 _dtype_names: dict[Any, str] = {}
 
 
@@ -163,7 +167,14 @@ class _Group:
 
 
 class DoneWork:
-    """What a skipped collective returns where torch would return a Work: already complete."""
+    """What a skipped collective returns where torch would return a Work: already complete.
+
+    Its future carries what torch's would (the payload tensors, unchanged), so code that reads the
+    result, such as a DDP comm hook's `fut.value()[0]`, goes on as after a real collective.
+    """
+
+    def __init__(self, result: list[Any] | None = None) -> None:
+        self._result = list(result or [])
 
     def wait(self, timeout: Any = None) -> bool:
         return True
@@ -178,13 +189,13 @@ class DoneWork:
         return None
 
     def result(self) -> list[Any]:
-        return []
+        return list(self._result)
 
     def get_future(self) -> Any:
         import torch
 
         fut: Any = torch.futures.Future()
-        fut.set_result([])
+        fut.set_result(list(self._result))
         return fut
 
 
@@ -216,6 +227,36 @@ class Tracer:
     def call(
         self, fn: Callable[..., Any], spec: OpSpec, gi: int, ai: int, pi: int, args: tuple, kwargs: dict
     ) -> Any:
+        try:
+            begun = self._begin(spec, gi, ai, pi, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's collective runs untraced then
+            if is_injected(exc):
+                raise
+            internal_error(f"tracing of {spec.name}", exc)
+            return fn(*args, **kwargs)
+        if begun[0] == "skip":
+            return begun[1]
+        _, st, rec, args, kwargs, restore, user_async, on_cuda = begun
+        _tls.busy = True
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            rec.t1 = time.time()
+            st.current = None
+            self.last_failed = rec
+            raise
+        finally:
+            _tls.busy = False
+        try:
+            self._end(st, rec, result, user_async, on_cuda)
+        except Exception as exc:  # noqa: BLE001
+            internal_error(f"tracing of {spec.name}", exc)
+        if restore is not None:
+            restore()
+        return result
+
+    def _begin(self, spec: OpSpec, gi: int, ai: int, pi: int, args: tuple, kwargs: dict) -> tuple:
+        """Number and describe the call; apply faults. ("skip", result) or ("go", ...)."""
         if "group" in kwargs:
             group = kwargs["group"]
         else:
@@ -228,22 +269,19 @@ class Tracer:
         if st is None:
             st = self._new_group(group)
         seq = (st.p2p_seq if p2p else st.seq) + 1
-        frame = sys._getframe(2)
-        while frame is not None:
-            code = frame.f_code
-            internal = _internal_code.get(code)
-            if internal is None:
-                internal = _internal_code[code] = code.co_filename.startswith(_internal_prefixes)
-            if not internal:
-                break
-            frame = frame.f_back
+        frame = _caller_frame(sys._getframe(3))
+        user_async = spec.kind in ("p2p", "batch") and spec.name not in ("send", "recv")
+        if not user_async and ai >= 0:
+            user_async = bool(
+                kwargs["async_op"] if "async_op" in kwargs else (args[ai] if ai < len(args) else False)
+            )
         restore = None
         hold = False
         if self._slow:
-            outcome = self._apply_faults(st, seq, spec, args, kwargs, pi, frame)
+            outcome = self._apply_faults(st, seq, spec, args, kwargs, pi, frame, user_async)
             if outcome is not None:
                 if outcome[0] == "skip":
-                    return outcome[1]
+                    return outcome
                 args, kwargs, restore, hold = outcome[1:]
         rec = _Rec()
         rec.op = spec.name
@@ -271,25 +309,14 @@ class Tracer:
         rec.handle = None
         rec.t1 = None
         rec.deferred = False
-        user_async = spec.kind in ("p2p", "batch") and spec.name not in ("send", "recv")
-        if not user_async and ai >= 0:
-            user_async = bool(
-                kwargs["async_op"] if "async_op" in kwargs else (args[ai] if ai < len(args) else False)
-            )
         rec.t0 = time.time()
         st.current = rec
         if hold:
             self._hold("shape")
-        _tls.busy = True
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException:
-            rec.t1 = time.time()
-            st.current = None
-            self.last_failed = rec
-            raise
-        finally:
-            _tls.busy = False
+        return ("go", st, rec, args, kwargs, restore, user_async, on_cuda)
+
+    def _end(self, st: _Group, rec: _Rec, result: Any, user_async: bool, on_cuda: bool) -> None:
+        """The call returned: complete now, or keep its Work / a CUDA event to poll."""
         if user_async:
             st.current = None
             if result is None:
@@ -307,9 +334,6 @@ class Tracer:
             rec.t1 = time.time()
             st.current = None
             self._finish(rec, rec.t1)
-        if restore is not None:
-            restore()
-        return result
 
     def _finish(self, rec: _Rec, t1: float) -> None:
         rec.t1 = t1
@@ -341,7 +365,15 @@ class Tracer:
     # -- faults ---------------------------------------------------------------------------------
 
     def _apply_faults(
-        self, st: _Group, seq: int, spec: OpSpec, args: tuple, kwargs: dict, pi: int, frame: Any
+        self,
+        st: _Group,
+        seq: int,
+        spec: OpSpec,
+        args: tuple,
+        kwargs: dict,
+        pi: int,
+        frame: Any,
+        user_async: bool,
     ) -> Any:
         caller = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
         if self._hold_next:
@@ -370,7 +402,7 @@ class Tracer:
                 self._emit_fault(fields)
                 self._hold_next = True
                 atexit.register(self._hold, "exit")
-                return ("skip", _skipped_result(spec, args, kwargs))
+                return ("skip", _skipped_result(spec, args, kwargs, pi, user_async))
             if fault.kind == "shape":
                 changed = _change_shape(spec, args, kwargs, pi)
                 if changed is not None:
@@ -479,24 +511,37 @@ class Tracer:
 # -- install / uninstall --------------------------------------------------------------------------
 
 
-def install(rank: int, faults: list[Fault] | None = None, session: Any = None) -> Tracer:
-    """Wrap torch.distributed's collectives (idempotent) and make a fresh Tracer the active one."""
-    global _tracer, _internal_prefixes
-    import torch
+def patch() -> bool:
+    """Wrap torch.distributed's collectives (idempotent); they pass through until `install`.
+
+    A process that is not a rank yet (an mp.spawn worker before init_process_group) is patched
+    this way at the import of torch.distributed, so that names the user binds later are the
+    wrappers. False when this build of torch has no torch.distributed.
+    """
     import torch.distributed as dist
 
     if not dist.is_available():
+        return False
+    from torch.distributed import distributed_c10d as c10d
+
+    _patch(dist, c10d)
+    return True
+
+
+def install(rank: int, faults: list[Fault] | None = None, session: Any = None) -> Tracer:
+    """Wrap torch.distributed's collectives (idempotent) and make a fresh Tracer the active one."""
+    global _tracer, _roots
+    if not patch():
         raise RuntimeError("torch.distributed is not available in this build of torch")
     from torch.distributed import distributed_c10d as c10d
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _internal_prefixes = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, here + os.sep)
+    _roots = current_roots()
+    _code_kind.clear()
     tracer = Tracer(rank, faults, session)
     tracer._c10d = c10d
     state = getattr(c10d, "_world", None)
     tracer._coalescing = getattr(state, "pg_coalesce_state", {}) if state is not None else {}
     _tracer = tracer
-    _patch(dist, c10d)
     return tracer
 
 
@@ -601,7 +646,14 @@ def _make_wrapper(fn: Callable[..., Any], spec: OpSpec) -> Callable[..., Any]:
 
 
 def _make_quiet(fn: Callable[..., Any], on_init: bool) -> Callable[..., Any]:
+    try:
+        signature: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):
+        signature = None
+
     def quiet(*args: Any, **kwargs: Any) -> Any:
+        if on_init:
+            _run_callbacks(_before_init, "init_process_group (before)", *_init_rank(signature, args, kwargs))
         before = getattr(_tls, "busy", False)
         _tls.busy = True
         try:
@@ -609,11 +661,7 @@ def _make_quiet(fn: Callable[..., Any], on_init: bool) -> Callable[..., Any]:
         finally:
             _tls.busy = before
         if on_init:
-            for callback in list(_after_init):
-                try:
-                    callback()
-                except Exception:  # noqa: BLE001 - never break the user's init
-                    pass
+            _run_callbacks(_after_init, "init_process_group (after)")
         return result
 
     functools.update_wrapper(quiet, fn)
@@ -621,11 +669,80 @@ def _make_quiet(fn: Callable[..., Any], on_init: bool) -> Callable[..., Any]:
     return quiet
 
 
+def _init_rank(
+    signature: inspect.Signature | None, args: tuple, kwargs: dict
+) -> tuple[int | None, int | None]:
+    """The rank and world size an init_process_group call asks for (its arguments, else RANK and
+    WORLD_SIZE from the environment), None where neither says."""
+    found: dict[str, Any] = {}
+    if signature is not None:
+        try:
+            found = dict(signature.bind_partial(*args, **kwargs).arguments)
+        except TypeError:
+            found = dict(kwargs)
+    out: list[int | None] = []
+    for key, env in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+        value = found.get(key, -1)
+        if not isinstance(value, int) or value < 0:
+            try:
+                value = int(os.environ[env])
+            except (KeyError, ValueError):
+                value = None
+        out.append(value)
+    return out[0], out[1]
+
+
+def _run_callbacks(callbacks: list[Callable[..., None]], where: str, *args: Any) -> None:
+    for callback in list(callbacks):
+        try:
+            callback(*args)
+        except Exception as exc:  # noqa: BLE001 - never break the user's init
+            internal_error(where, exc)
+
+
+#: called with (rank, world_size) when init_process_group is entered (None where unknown yet):
+#: a process that is not a rank yet becomes one there
+_before_init: list[Callable[[int | None, int | None], None]] = []
 #: called after every successful init_process_group (the session learns its rank there)
 _after_init: list[Callable[[], None]] = []
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _kind_of(code: Any) -> int:
+    kind = _code_kind.get(code)
+    if kind is None:
+        filename = code.co_filename
+        roots = _roots or current_roots()
+        if roots.is_internal(filename):
+            kind = _INTERNAL
+        elif roots.is_library(filename):
+            kind = _LIBRARY
+        else:
+            kind = _USER
+        _code_kind[code] = kind
+    return kind
+
+
+def _caller_frame(frame: Any) -> Any:
+    """The innermost frame of the user's own code above `frame`; else the first one outside torch and
+    sddoctor (a library's, e.g. accelerate's); else None. The verdict per code object is cached."""
+    fallback = None
+    while frame is not None:
+        kind = _kind_of(frame.f_code)
+        if kind == _USER:
+            return frame
+        if kind == _LIBRARY and fallback is None:
+            fallback = frame
+        frame = frame.f_back
+    return fallback
+
+
+def user_caller() -> str | None:
+    """'file:line' of the innermost user frame of the calling thread (see `_caller_frame`)."""
+    frame = _caller_frame(sys._getframe(1))
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else None
 
 
 def _is_collective_fault(fault: Fault) -> bool:
@@ -712,17 +829,25 @@ def _handle_done(handle: Any) -> bool:
     return True
 
 
-def _skipped_result(spec: OpSpec, args: tuple, kwargs: dict) -> Any:
+def _skipped_result(spec: OpSpec, args: tuple, kwargs: dict, pi: int, user_async: bool) -> Any:
     if spec.name == "batch_isend_irecv":
         ops = kwargs.get("p2p_op_list", args[0] if args else [])
-        return [DoneWork() for _ in ops]
+        return [DoneWork([getattr(op, "tensor", None)]) for op in ops]
+    payload = None
+    if spec.payload is not None:
+        payload = (
+            kwargs[spec.payload] if spec.payload in kwargs else (args[pi] if 0 <= pi < len(args) else None)
+        )
+    result = (
+        list(payload) if isinstance(payload, (list, tuple)) else ([payload] if payload is not None else [])
+    )
     if spec.name in ("isend", "irecv"):
-        return DoneWork()
+        return DoneWork(result)
     if spec.name == "recv":
         src = kwargs.get("src", args[1] if len(args) > 1 else None)
         return src if isinstance(src, int) else -1
-    if kwargs.get("async_op"):
-        return DoneWork()
+    if user_async:
+        return DoneWork(result)
     return None
 
 

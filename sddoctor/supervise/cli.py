@@ -98,6 +98,14 @@ def run_parser() -> argparse.ArgumentParser:
         help="no progress (no step, no collective issued or completed) for this long is a hang (default 300)",
     )
     p.add_argument(
+        "--startup-timeout",
+        type=_positive,
+        default=900.0,
+        metavar="SECONDS",
+        help="allowance for start-up (imports, model loading, rendezvous) before a rank that has issued no "
+        "collective and finished no step counts as hung (default 900)",
+    )
+    p.add_argument(
         "--on-hang",
         choices=("dump", "kill", "wait"),
         default="dump",
@@ -202,6 +210,7 @@ def main(argv: list[str]) -> int:
         fault=os.environ.get(FAULT_ENV) or None,
         options={
             "hang_timeout": args.hang_timeout,
+            "startup_timeout": args.startup_timeout,
             "on_hang": args.on_hang,
             "straggler_ratio": args.straggler_ratio,
         },
@@ -214,6 +223,7 @@ def main(argv: list[str]) -> int:
         env=env,
         run_info=info,
         hang_timeout=args.hang_timeout,
+        startup_timeout=args.startup_timeout,
         on_hang=args.on_hang,
         straggler_ratio=args.straggler_ratio,
         port=None if args.port == -1 else args.port,

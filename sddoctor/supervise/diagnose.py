@@ -18,6 +18,7 @@ import signal
 from statistics import median
 from typing import Any
 
+from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
 from sddoctor.supervise.state import VERDICT_KINDS, RankState, RunState, Verdict
 
 #: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
@@ -62,6 +63,9 @@ def diagnose(state: RunState) -> list[Verdict]:
         verdicts += diagnose_hang(state)
     verdicts += diagnose_replicas(state)
     verdicts += diagnose_straggler(state)
+    verdicts += diagnose_internal_errors(state)
+    if not verdicts:
+        verdicts += diagnose_no_collectives(state)
     order = {kind: i for i, kind in enumerate(VERDICT_KINDS)}
     severity = {"error": 0, "warning": 1, "info": 2}
     verdicts.sort(key=lambda v: (severity.get(v.severity, 3), order.get(v.kind, 99)))
@@ -90,23 +94,28 @@ def describe_exit(exit_info: dict[str, Any] | None) -> str:
     return f"exited with code {code}" if code is not None else "ended"
 
 
-def _exception_location(exc: dict[str, Any] | None) -> str | None:
-    """file:line of the innermost user frame of an `exception` event."""
+def roots_of(rank: RankState | None = None) -> CodeRoots:
+    """Where libraries live for `rank` (as it reported them) and for this process."""
+    mine = current_roots()
+    return mine.merged(CodeRoots.from_dict(rank.code_roots)) if rank is not None else mine
+
+
+def _exception_location(exc: dict[str, Any] | None, rank: RankState | None = None) -> str | None:
+    """file:line of the innermost frame of the user's own code of an `exception` event.
+
+    The rank picks its `caller` with its own install locations; an event without one (or whose
+    caller is library code) is read from its traceback here."""
     if not exc:
         return None
-    frames = exc.get("traceback")
-    if isinstance(frames, list) and frames:
-        user = [f for f in frames if isinstance(f, str) and _is_user_frame_text(f)]
-        chosen = (user or [f for f in frames if isinstance(f, str)] or [None])[-1]
-        if chosen:
-            return chosen.split(" in ")[0].strip()
+    roots = roots_of(rank)
     caller = exc.get("caller")
+    if isinstance(caller, str) and caller and roots.is_user(frame_path(caller)):
+        return caller
+    frames = [f for f in exc.get("traceback") or [] if isinstance(f, str)]
+    chosen = first_user_frame(frames, roots) or (frames[-1] if frames else None)
+    if chosen:
+        return chosen.split(" in ")[0].strip()
     return str(caller) if caller else None
-
-
-def _is_user_frame_text(text: str) -> bool:
-    path = text.split(" in ")[0]
-    return not any(s in path for s in ("site-packages", "dist-packages", "/sddoctor/", "/lib/python"))
 
 
 def _fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
@@ -244,7 +253,7 @@ def _crash_verdict(
 ) -> Verdict:
     exc = rank.exception
     fault = _fault_of(rank, ("kill", "raise"))
-    location = _exception_location(exc) or (fault or {}).get("caller") or _where(rank)[0]
+    location = _exception_location(exc, rank) or (fault or {}).get("caller") or _where(rank)[0]
     step = rank.state.get("step")
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     if exc and not (exit_info or {}).get("signal"):
@@ -314,9 +323,8 @@ def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:
     location = None
     frames = [f for f in traceback or [] if " in " in f]
     if frames:
-        user = [f for f in frames if _is_user_frame_text(f)]
-        location = (user or frames)[-1].split(" in ")[0]
-    rank = 0 if (state.world_size or len(state.ranks) or 1) == 1 else None
+        location = (first_user_frame(frames, roots_of()) or frames[-1]).split(" in ")[0]
+    rank = 0 if len(state.ranks) == 1 and state.world_size in (None, 1) else None
     how = f"exited with code {code}"
     if isinstance(code, int) and code < 0:
         how = f"was killed by signal {-code} ({signal_name(-code)})"
@@ -438,7 +446,7 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                     details["exception"] = {k: rank.exception.get(k) for k in ("type", "message")}
                     details["traceback"] = rank.exception.get("traceback")
                     summary += f"; it stopped with {rank.exception.get('type')}"
-                location = oom.get("caller") or _exception_location(rank.exception)
+                location = oom.get("caller") or _exception_location(rank.exception, rank)
                 verdicts.append(Verdict("oom", "error", summary, rank.rank, location, details, evidence))
         exc = rank.exception
         any_oom_event = any(r.ooms for r in state.ranks.values())
@@ -449,7 +457,7 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                     "error",
                     f"rank {rank.rank} died of out-of-memory: {str(exc.get('message'))[:160]}",
                     rank.rank,
-                    _exception_location(exc),
+                    _exception_location(exc, rank),
                     {
                         "step": rank.state.get("step"),
                         "phase": rank.state.get("phase"),
@@ -479,9 +487,37 @@ def _position(rank: RankState) -> str:
 
 def _expected_ranks(state: RunState) -> list[int]:
     ranks = set(state.ranks)
-    if state.world_size:
-        ranks |= set(range(state.world_size))
+    world = state.world_size or state.spawned_nprocs
+    if world:
+        ranks |= set(range(world))
     return sorted(ranks)
+
+
+def _unjoined_process(state: RunState, rank: int) -> dict[str, Any] | None:
+    """The process that is probably `rank` but has not joined the process group: the mp.spawn
+    worker of that index, else the only process of the job that has not joined."""
+    for process in state.unjoined:
+        if process.get("spawn_index") == rank:
+            return process
+    unnamed = [p for p in state.unjoined if p.get("spawn_index") is None]
+    missing = [r for r in _expected_ranks(state) if r not in state.ranks]
+    return unnamed[0] if len(unnamed) == 1 and len(missing) == 1 else None
+
+
+def _process_text(process: dict[str, Any]) -> str:
+    index = process.get("spawn_index")
+    what = f"mp.spawn worker {index}" if index is not None else "a process of the job"
+    stack = process.get("stack") or {}
+    where = f"; its stack is at {stack['top_user_frame']}" if stack.get("top_user_frame") else ""
+    return f"{what} (pid {process.get('pid')}) has not joined the process group{where}"
+
+
+def _never_joined(state: RunState, rank: int) -> tuple[str | None, str]:
+    """Where a rank that never wrote telemetry is, if a process of the job looks like it."""
+    process = _unjoined_process(state, rank)
+    if process is None:
+        return None, "it never joined the process group (no telemetry from it)"
+    return (process.get("stack") or {}).get("top_user_frame"), _process_text(process)
 
 
 def _in_dataloader(rank: RankState) -> bool:
@@ -514,6 +550,9 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         base["declared_by_peer"] = state.hang_declared_by
 
     if not waiting:
+        startup = _startup_hang(state, expected, base, evidence)
+        if startup is not None:
+            return [startup]
         loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]
         if loaders:
             culprit = state.ranks[loaders[0]]
@@ -587,10 +626,12 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         culprit_rank = _pick_culprit(state, culprits, ("skip",))
         rank = state.ranks.get(culprit_rank)
         if rank is None:
-            location, how = None, "it never wrote any telemetry"
+            location, how = _never_joined(state, culprit_rank) if culprit_rank is not None else (None, "")
         elif rank.exited:
             fault = _fault_of(rank, ("skip",))
-            location = (fault or {}).get("caller") or _exception_location(rank.exception) or _where(rank)[0]
+            location = (
+                (fault or {}).get("caller") or _exception_location(rank.exception, rank) or _where(rank)[0]
+            )
             how = f"it {describe_exit(rank_exit(rank, state))}"
         else:
             location, how = _where(rank)
@@ -620,6 +661,54 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
     )
     return [Verdict("hang.comm", "error", summary, None, call.get("caller"), details, evidence)]
+
+
+def _startup_hang(
+    state: RunState, expected: list[int], base: dict[str, Any], evidence: list[str]
+) -> Verdict | None:
+    """No rank is in a traced collective and some rank never got past its start-up: name the ranks
+    that are not waiting for their peers (in init_process_group or DDP's construction)."""
+    starting = [
+        r
+        for r in expected
+        if r not in state.ranks or not (state.ranks[r].started_work or state.ranks[r].exited)
+    ]
+    if not starting:
+        return None
+    waiters = {r: m for r in starting if r in state.ranks and (m := state.ranks[r].waiting_marker)}
+    stuck = [r for r in starting if r not in waiters]
+    wait_text, caller = "", None
+    elapsed = state.now - state.started
+    details = {**base, "startup_seconds": round(elapsed, 1), "startup_timeout": state.startup_timeout}
+    details.update(waiting_ranks=sorted(waiters), stuck_ranks=stuck)
+    evidence = evidence + [
+        _process_text(p) for p in state.unjoined if p.get("spawn_index") not in state.ranks
+    ]
+    if waiters:
+        what = sorted({str(m.get("what")) for m in waiters.values()})
+        caller = next((m.get("caller") for m in waiters.values() if m.get("caller")), None)
+        wait_text = (
+            f"rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} wait{'' if len(waiters) > 1 else 's'} "
+            f"in {' / '.join(what)}" + (f" (called at {caller})" if caller else "")
+        )
+    if stuck:
+        culprit = _pick_culprit(state, stuck, ("skip",))
+        rank = state.ranks.get(culprit) if culprit is not None else None
+        if rank is not None:
+            location, how = _where(rank)
+        else:
+            location, how = _never_joined(state, culprit) if culprit is not None else (None, "")
+        summary = f"hang at start-up ({elapsed:.0f} s): rank {_join(stuck)} never got to its first collective; {how}"
+        if waiters:
+            summary += f". {wait_text[0].upper()}{wait_text[1:]}"
+        return Verdict("hang.startup", "error", summary, culprit, location, details, evidence)
+    # Every rank that has not started waits for its peers: the rendezvous itself cannot complete.
+    summary = (
+        f"hang at start-up ({elapsed:.0f} s): {wait_text} and no rank is elsewhere: the ranks cannot meet "
+        "(check MASTER_ADDR/MASTER_PORT or the rendezvous endpoint, a firewall, the world size, a node "
+        "that never started); run `sddoctor check-nccl`"
+    )
+    return Verdict("hang.startup", "error", summary, None, caller, details, evidence)
 
 
 def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list[int]:
@@ -777,6 +866,60 @@ def diagnose_replicas(state: RunState) -> list[Verdict]:
         "(sddoctor check-nccl checks the result of its all-reduce)"
     )
     return [Verdict("replicas.differ", "error", summary, culprit, None, details, evidence)]
+
+
+# -- sddoctor itself and what it could not see ----------------------------------------------------
+
+
+def diagnose_internal_errors(state: RunState) -> list[Verdict]:
+    """sddoctor's own code failed inside a rank (recorded, the job went on): never the user's fault."""
+    errors = [
+        (r.rank, e) for r in sorted(state.ranks.values(), key=lambda r: r.rank) for e in r.internal_errors
+    ]
+    if not errors:
+        return []
+    sites = sorted({str(e.get("where")) for _, e in errors})
+    rank, first = errors[0]
+    summary = (
+        f"sddoctor's own instrumentation failed in {', '.join(sites)} (rank {rank}: {first.get('type')}: "
+        f"{str(first.get('message', ''))[:160]}); your job was not affected, but what sddoctor saw of it may be "
+        "incomplete. This is a bug in sddoctor: please report it with report.json"
+    )
+    evidence = [
+        f"rank {r}: internal error in {e.get('where')}: {e.get('type')}: {str(e.get('message', ''))[:200]}"
+        for r, e in errors[:8]
+    ]
+    details = {
+        "errors": [
+            {"rank": r, **{k: e.get(k) for k in ("where", "type", "message", "traceback")}}
+            for r, e in errors[:8]
+        ]
+    }
+    return [Verdict("sddoctor.internal_error", "warning", summary, None, None, details, evidence)]
+
+
+def diagnose_no_collectives(state: RunState) -> list[Verdict]:
+    """A finished job in which no process joined a process group, or no collective was ever issued:
+    there was nothing to check for hangs, stragglers or mismatches, which is not the same as "ok"."""
+    if state.job_exit is None or state.stopped_by_supervisor == "hang":
+        return []
+    if not state.ranks:
+        summary = (
+            "no process of the job joined a torch.distributed process group: sddoctor saw no ranks, no "
+            "collectives and no steps, so hangs, stragglers and mismatches could not be checked"
+        )
+        return [Verdict("no_collectives", "info", summary, None, None, {"ranks": 0}, [])]
+    issued = any(
+        r.collectives.get("issued") or (r.collectives.get("ddp") or {}).get("buckets")
+        for r in state.ranks.values()
+    )
+    if issued or any(r.step_count for r in state.ranks.values()):
+        return []
+    summary = (
+        f"{len(state.ranks)} rank{'s' if len(state.ranks) > 1 else ''} joined a process group but issued no "
+        "collective and finished no step: there was nothing to check for hangs, stragglers or mismatches"
+    )
+    return [Verdict("no_collectives", "info", summary, None, None, {"ranks": len(state.ranks)}, [])]
 
 
 # -- straggler --------------------------------------------------------------------------------

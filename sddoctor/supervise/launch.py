@@ -12,7 +12,8 @@ _LAUNCHER_NAMES = ("torchrun", "accelerate", "torch.distributed.run", "torch.dis
 
 
 def launcher_kind(command: list[str]) -> str:
-    """'torchrun', 'accelerate', 'python' (a plain script: one rank, the launcher itself) or 'other'."""
+    """'torchrun', 'accelerate', 'python' (a script: its processes become ranks when they join a
+    process group; it may start them itself with mp.spawn) or 'other'."""
     words = [os.path.basename(w) for w in command[:4]]
     if "accelerate" in words:
         return "accelerate"
@@ -51,7 +52,7 @@ def world_size_hint(command: list[str]) -> int | None:
     kind = launcher_kind(command)
     args = _launcher_args(command)
     if kind == "python":
-        return 1
+        return None  # learnt from the ranks: the script may start them itself (mp.spawn)
     if kind == "other":
         return None
     if kind == "accelerate":

@@ -23,6 +23,7 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
         run_dir,
         hang_timeout=float(options.get("hang_timeout") or 300.0),
         straggler_ratio=float(options.get("straggler_ratio") or 2.0),
+        startup_timeout=float(options.get("startup_timeout") or 900.0),
         started=float(info.get("started") or info.get("created") or now),
     )
     watcher.poll(now)

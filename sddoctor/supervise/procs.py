@@ -25,6 +25,17 @@ from typing import IO, Any
 import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
+#: what the command line of a process that is never a rank holds: multiprocessing's helpers
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_LAUNCHER_PROGRAMS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed")
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
+
+
+def is_launcher_command(cmdline: list[str]) -> bool:
+    """torchrun, `python -m torch.distributed.run`, accelerate launch (and `python .../torchrun`)."""
+    if any(os.path.basename(w) in _LAUNCHER_PROGRAMS for w in cmdline[:2]):
+        return True
+    return any(w == "-m" and nxt in _LAUNCHER_MODULES for w, nxt in zip(cmdline, cmdline[1:], strict=False))
 
 
 def become_subreaper() -> bool:
@@ -182,6 +193,33 @@ class Job:
         except psutil.Error:
             return
         self.ranks[rank] = RankProcess(rank=rank, pid=pid, process=proc)
+
+    def unjoined_processes(self, not_ranks: set[int] | None = None) -> list[psutil.Process]:
+        """Live Python processes of the job that are not ranks and not children of ranks: workers
+        that have not joined a process group (yet). Launchers, the pids in `not_ranks` (an mp.spawn
+        parent) and multiprocessing's helper processes are left out."""
+        rank_pids = {r.pid for r in self.ranks.values()}
+        launcher = self.popen.pid if self.popen else None
+        out = []
+        for pid, proc in list(self.descendants.items()):
+            if pid in rank_pids or pid in (not_ranks or set()) or not _alive(proc):
+                continue
+            try:
+                cmdline = proc.cmdline()
+                ancestors = {p.pid for p in proc.parents()}
+            except psutil.Error:
+                continue
+            if ancestors & rank_pids or not cmdline or "python" not in os.path.basename(cmdline[0]):
+                continue
+            text = " ".join(cmdline)
+            if (
+                is_launcher_command(cmdline)
+                or any(h in text for h in _HELPERS)
+                or (pid == launcher and self.ranks)
+            ):
+                continue
+            out.append(proc)
+        return out
 
     def _reap_orphans(self) -> None:
         """Collect the exit status of orphans re-parented to us (we are their subreaper)."""

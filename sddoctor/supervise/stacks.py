@@ -11,24 +11,34 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sddoctor.codepaths import CodeRoots, current_roots
+
 _CAP_SYS_PTRACE = 19
-#: Frames from these paths are not "where the user's code is".
-_LIBRARY_MARKERS = (
-    "site-packages",
-    "dist-packages",
-    "/sddoctor/",
-    "/lib/python3",
-    "<frozen",
-    "threading.py",
-)
+
+
+def tool_path(name: str) -> str | None:
+    """A program installed with this Python (its scripts folder, the folder of the interpreter) before
+    PATH: `VENV/bin/sddoctor` run from cron, SLURM or an IDE without the venv activated still finds
+    the py-spy installed in that venv."""
+    folders: list[str] = []
+    for candidate in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
+        if candidate and candidate not in folders:
+            folders.append(candidate)
+    for folder in folders:
+        found = shutil.which(name, path=folder)
+        if found:
+            return found
+    return shutil.which(name)
 
 
 def py_spy_path() -> str | None:
-    return shutil.which("py-spy")
+    return tool_path("py-spy")
 
 
 def ptrace_problem() -> str | None:
@@ -73,22 +83,35 @@ def explain_failure(stderr: str) -> str:
 
 
 def dump_stacks(
-    pids: dict[int, int], out_dir: Path, *, timeout: float = 10.0, native: bool = False
-) -> dict[int, dict[str, Any]]:
-    """Dump every rank's stack in parallel: rank -> {ok, top_user_frame, frames, error, file}."""
+    pids: dict[Any, int],
+    out_dir: Path,
+    *,
+    timeout: float = 10.0,
+    native: bool = False,
+    roots: dict[Any, CodeRoots] | None = None,
+) -> dict[Any, dict[str, Any]]:
+    """Dump every process's stack in parallel: key -> {ok, top_user_frame, frames, error, file}.
+
+    Keys are ranks (files `rank-NNNNN.*`) or strings such as "pid-123" for processes that are not
+    ranks yet (files `pid-123.*`). `roots` gives, per key, where the process's libraries are
+    installed (from its `start` event); the supervisor's own are used besides.
+    """
     exe = py_spy_path()
     if exe is None:
         return {r: {"ok": False, "error": ptrace_problem()} for r in pids}
     out_dir.mkdir(parents=True, exist_ok=True)
+    mine = current_roots()
 
-    def one(rank: int, pid: int) -> tuple[int, dict[str, Any]]:
-        return rank, _dump_one(exe, rank, pid, out_dir, timeout, native)
+    def one(key: Any, pid: int) -> tuple[Any, dict[str, Any]]:
+        return key, _dump_one(exe, key, pid, out_dir, timeout, native, mine.merged((roots or {}).get(key)))
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(pids)))) as pool:
         return dict(pool.map(lambda item: one(*item), pids.items()))
 
 
-def _dump_one(exe: str, rank: int, pid: int, out_dir: Path, timeout: float, native: bool) -> dict[str, Any]:
+def _dump_one(
+    exe: str, key: Any, pid: int, out_dir: Path, timeout: float, native: bool, roots: CodeRoots
+) -> dict[str, Any]:
     cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
     if _process_state(pid) == "T":
         return {
@@ -115,14 +138,15 @@ def _dump_one(exe: str, rank: int, pid: int, out_dir: Path, timeout: float, nati
     except ValueError:
         _resume(pid)
         return {"ok": False, "pid": pid, "error": "py-spy printed no JSON"}
-    path = out_dir / f"rank-{rank:05d}.json"
+    stem = f"rank-{key:05d}" if isinstance(key, int) else str(key)
+    path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(threads, indent=1))
-    (out_dir / f"rank-{rank:05d}.txt").write_text(format_threads(threads))
+    (out_dir / f"{stem}.txt").write_text(format_threads(threads))
     main = main_thread(threads, pid)
     frames = [
         f"{f.get('filename')}:{f.get('line')} in {f.get('name')}" for f in (main or {}).get("frames", [])
     ]
-    top = top_user_frame(main)
+    top = top_user_frame(main, roots)
     return {
         "ok": True,
         "pid": pid,
@@ -159,14 +183,15 @@ def main_thread(threads: Any, pid: int) -> dict[str, Any] | None:
     return threads[0] if threads and isinstance(threads[0], dict) else None
 
 
-def top_user_frame(thread: dict[str, Any] | None) -> tuple[str, str] | None:
-    """(file:line, function) of the innermost frame in the user's own code."""
+def top_user_frame(thread: dict[str, Any] | None, roots: CodeRoots | None = None) -> tuple[str, str] | None:
+    """(file:line, function) of the innermost frame in the user's own code (see `codepaths`)."""
     if not thread:
         return None
+    roots = roots or current_roots()
     frames = [f for f in thread.get("frames", []) if isinstance(f, dict)]
     for frame in frames:  # py-spy lists the innermost frame first
         filename = str(frame.get("filename", ""))
-        if not any(marker in filename for marker in _LIBRARY_MARKERS):
+        if roots.is_user(filename):
             return f"{filename}:{frame.get('line')}", str(frame.get("name"))
     if frames:
         return f"{frames[0].get('filename')}:{frames[0].get('line')}", str(frames[0].get("name"))

@@ -19,9 +19,12 @@ VERDICT_KINDS = (
     "hang.dataloader",
     "hang.comm",
     "hang.unknown",
+    "hang.startup",
     "replicas.differ",
     "straggler",
+    "sddoctor.internal_error",
     "oom.recovered",
+    "no_collectives",
 )
 
 
@@ -94,6 +97,14 @@ class RankState:
     #: DDP comm hook counters from snapshots: (t, buckets, seconds inside bucket all-reduces, step),
     #: all cumulative.
     ddp_samples: list[tuple[float, float, float, float]] = field(default_factory=list)
+    #: Recent `step` events: (t, step, step_time or None, samples or None), oldest first (bounded).
+    steps: list[tuple[float, int, float | None, float | None]] = field(default_factory=list)
+    #: Steps seen in all (the list above keeps only the recent ones).
+    step_count: int = 0
+    #: `internal_error` events: sddoctor's own failures inside this rank.
+    internal_errors: list[dict[str, Any]] = field(default_factory=list)
+    #: Where this rank's Python keeps its libraries (from its `start` event; see sddoctor.codepaths).
+    code_roots: dict[str, Any] | None = None
 
     @property
     def collectives(self) -> dict[str, Any]:
@@ -122,6 +133,20 @@ class RankState:
         return max(seqs) if seqs else None
 
     @property
+    def waiting_marker(self) -> dict[str, Any] | None:
+        """What the rank waits in outside any traced collective (init_process_group, DDP's
+        construction): {what, since, caller}, or None."""
+        value = self.state.get("waiting")
+        return value if isinstance(value, dict) and value.get("what") else None
+
+    @property
+    def started_work(self) -> bool:
+        """Whether the rank has finished a step or issued a collective (past its start-up)."""
+        return (
+            self.state.get("step") is not None or bool(self.collectives.get("issued")) or bool(self.inflight)
+        )
+
+    @property
     def exited(self) -> bool:
         return self.exit is not None or self.alive is False or self.state.get("status") == "exited"
 
@@ -138,6 +163,14 @@ class RunState:
     last_progress: float | None = None
     hang_timeout: float = 300.0
     straggler_ratio: float = 2.0
+    #: Allowance for start-up (imports, model loading, rendezvous): a rank that has issued no
+    #: collective and finished no step is not hung before this many seconds after the start.
+    startup_timeout: float = 900.0
+    #: Processes of the job that are not ranks (yet): {pid, spawn_index, argv, stack} (mp.spawn
+    #: workers before init_process_group, for a start-up hang).
+    unjoined: list[dict[str, Any]] = field(default_factory=list)
+    #: Workers an mp.spawn parent started (a hint of the world size before any rank joins).
+    spawned_nprocs: int | None = None
     #: The launcher's end: {code, t} once it has exited.
     job_exit: dict[str, Any] | None = None
     #: Failures the launcher reported (torchrun's "Root Cause" block): [{rank, exitcode, pid, root_cause}].
@@ -160,19 +193,32 @@ class RunState:
         return max(0.0, self.now - since)
 
     @property
+    def in_startup(self) -> bool:
+        """Within the start-up allowance while some expected rank has not started working yet."""
+        if self.now - self.started >= self.startup_timeout:
+            return False
+        expected = set(range(self.world_size or 0)) | set(self.ranks)
+        if not expected:
+            return True  # no rank has even joined yet
+        return any(
+            r not in self.ranks or (not self.ranks[r].started_work and not self.ranks[r].exited)
+            for r in expected
+        )
+
+    @property
     def hung(self) -> bool:
+        """No progress for the hang timeout (after the start-up allowance, while a rank is still
+        starting), and the job still runs."""
         if self.job_exit is not None or self.stopped_by_supervisor is not None:
             return False
-        if not any(not r.exited for r in self.ranks.values()):
+        if self.ranks and not any(not r.exited for r in self.ranks.values()):
             return False
-        if not any(r.state for r in self.ranks.values()):
-            return False  # no rank has reported yet (still importing torch): progress is unmeasurable
-        if not any(
-            r.state.get("step") is not None or r.collectives.get("issued") or r.inflight
-            for r in self.ranks.values()
-        ):
-            # Nobody has issued a collective or finished a step yet: still setting up (loading a
-            # model, reading data), which has no progress to measure. A rank stuck in the first
-            # collective counts: it has issued it.
+        if self.hang_declared_by is not None:
+            return True
+        if not any(r.state for r in self.ranks.values()) and self.spawned_nprocs is None:
+            return False  # no process of the job is a rank: no progress can be measured
+        if self.in_startup:
             return False
-        return self.stalled_for >= self.hang_timeout or self.hang_declared_by is not None
+        if not any(r.started_work for r in self.ranks.values()):
+            return self.now - self.started >= self.startup_timeout  # nobody got past start-up
+        return self.stalled_for >= self.hang_timeout

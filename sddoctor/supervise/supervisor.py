@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
 from sddoctor.supervise.diagnose import diagnose, rank_exit
 from sddoctor.supervise.http import StateServer
@@ -41,6 +42,7 @@ class Options:
     env: dict[str, str]
     run_info: dict[str, Any]
     hang_timeout: float = 300.0
+    startup_timeout: float = 900.0
     on_hang: str = "dump"
     straggler_ratio: float = 2.0
     port: int | None = 0
@@ -62,12 +64,14 @@ class Supervisor:
             hang_timeout=opts.hang_timeout,
             straggler_ratio=opts.straggler_ratio,
             started=self.started,
+            startup_timeout=opts.startup_timeout,
         )
         self.state: RunState = self.watcher.state()
         self.verdicts: list[Verdict] = []
         self.hang_verdicts: list[Verdict] = []  # frozen at the hang, survive our own kill
         self.hang_handled_at: tuple[float | None] | None = None  # (last_progress,) of the hang acted on
         self.stacks_problem: str | None = None
+        self.unjoined: list[dict[str, Any]] = []
         self.flight_recorder: dict[str, Any] | None = None
         self.printed: set[tuple[str, Any]] = set()
         self.signals: list[int] = []
@@ -156,7 +160,6 @@ class Supervisor:
         self.watcher.poll(now)
         for peer_state in list(self.remote.values()):
             self.watcher.merge_remote(peer_state.get("ranks") or {}, now)
-        launcher = self.job.popen.pid if self.job.popen else None
         for rank in self.watcher.ranks.values():
             known = self.job.ranks.get(rank.rank)
             if (
@@ -165,8 +168,6 @@ class Supervisor:
                 and (known is None or known.pid != rank.pid)
             ):
                 self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
-        if self.opts.run_info.get("launcher") == "python" and launcher and 0 not in self.job.ranks:
-            self.job.add_rank(0, launcher)
         for rank_id, proc in self.job.ranks.items():
             rank = self.watcher._rank(rank_id)
             rank.pid = proc.pid
@@ -178,6 +179,7 @@ class Supervisor:
             state.world_size = self.opts.run_info.get("world_size")
         state.stacks_problem = self.stacks_problem
         state.flight_recorder = self.flight_recorder
+        state.unjoined = self.unjoined
         state.stderr_tail = list(self.job.stderr_tail)
         state.stopped_by_supervisor = self.stopped_by
         state.stopped_at = self.stopped_at
@@ -202,31 +204,44 @@ class Supervisor:
         self._publish()
 
     def on_hang(self, state: RunState) -> None:
-        self.say(f"no progress for {state.stalled_for:.0f} s: diagnosing a hang")
+        if any(r.started_work for r in state.ranks.values()):
+            self.say(f"no progress for {state.stalled_for:.0f} s: diagnosing a hang")
+        else:
+            self.say(f"no rank got past its start-up in {state.now - state.started:.0f} s: diagnosing a hang")
         alive = {r.rank: r.pid for r in state.ranks.values() if not r.exited and r.pid is not None}
         alive = {r: p for r, p in alive.items() if r in self.job.ranks}  # only processes on this node
-        if self.opts.on_hang in ("dump", "kill") and alive:
+        unjoined = self._unjoined()
+        if self.opts.on_hang in ("dump", "kill") and (alive or unjoined):
             backends = {r.state.get("backend") for r in state.ranks.values()}
             dump_asked_at = None
             if "nccl" in backends and flightrec.trigger(self.job.env, sorted(alive)):
                 dump_asked_at = time.time()
             self.stacks_problem = stacks.ptrace_problem()
-            results = stacks.dump_stacks(alive, self.opts.run_dir.stacks_dir, native=self.opts.native)
+            targets: dict[Any, int] = {**alive, **{f"pid-{u['pid']}": u["pid"] for u in unjoined}}
+            roots = {r: root for r in alive if (root := CodeRoots.from_dict(state.ranks[r].code_roots))}
+            results = stacks.dump_stacks(
+                targets, self.opts.run_dir.stacks_dir, native=self.opts.native, roots=roots
+            )
             failures = {r: res.get("error") for r, res in results.items() if not res.get("ok")}
             if failures and not self.stacks_problem:
                 self.stacks_problem = f"{len(failures)} of {len(results)} stack dumps failed: " + "; ".join(
-                    f"rank {r}: {e}" for r, e in sorted(failures.items())
+                    f"{r if isinstance(r, str) else f'rank {r}'}: {e}"
+                    for r, e in sorted(failures.items(), key=str)
                 )
-            for rank_id, result in results.items():
-                state.ranks[rank_id].stack = result
+            for rank_id in alive:
+                state.ranks[rank_id].stack = results.get(rank_id)
+            for process in unjoined:
+                process["stack"] = results.get(f"pid-{process['pid']}")
             if dump_asked_at is not None:
                 self.flight_recorder = flightrec.collect(self.job.env, sorted(alive), asked_at=dump_asked_at)
             state.stacks_problem = self.stacks_problem
             state.flight_recorder = self.flight_recorder
             self.say(
-                f"stacks of {sum(1 for r in results.values() if r.get('ok'))}/{len(results)} ranks saved in "
+                f"stacks of {sum(1 for r in results.values() if r.get('ok'))}/{len(results)} processes saved in "
                 f"{self.opts.run_dir.stacks_dir}"
             )
+        state.unjoined = unjoined
+        self.unjoined = unjoined
         self.hang_verdicts = [v for v in diagnose(state) if v.kind.startswith("hang.")]
         for v in self.hang_verdicts:
             self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
@@ -242,6 +257,20 @@ class Supervisor:
             self.stopped_by = "hang"
             self.stopped_at = time.time()
             self.job.kill_tree(grace=3.0)
+
+    def _unjoined(self) -> list[dict[str, Any]]:
+        """Processes of the job that are no rank yet (an mp.spawn worker before init_process_group)."""
+        notes = self.watcher.proc_notes
+        spawners = {p for p in self.watcher.spawner_pids}
+        out = []
+        for proc in self.job.unjoined_processes(not_ranks=spawners):
+            note = notes.get(proc.pid) or {}
+            try:
+                argv = proc.cmdline()[:8]
+            except Exception:  # noqa: BLE001 - it may have gone meanwhile
+                argv = []
+            out.append({"pid": proc.pid, "spawn_index": note.get("spawn_index"), "argv": argv})
+        return out
 
     def _peer_hang(self, state: RunState) -> str | None:
         """The peer that diagnosed a hang, once this node has seen no progress for half the timeout.
@@ -292,6 +321,7 @@ class Supervisor:
         state.stopped_at = self.stopped_at
         state.stacks_problem = self.stacks_problem
         state.flight_recorder = self.flight_recorder
+        state.unjoined = self.unjoined
         self.verdicts = _merge(self.hang_verdicts, diagnose(state))
         self.state = state
         job_code = self.job.exit_code

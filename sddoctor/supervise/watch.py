@@ -14,27 +14,39 @@ from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json
 
 #: Event kinds the diagnosis keeps (steps and summaries are only counted).
-_KEPT = {"exception", "oom", "fallback", "fault", "exit", "start", "warning", "replicas"}
+_KEPT = {"exception", "oom", "fallback", "fault", "exit", "start", "warning", "replicas", "internal_error"}
 _MAX_SIGHTINGS = 600  # per rank and pg: enough for a few minutes of straggler statistics
+_MAX_STEPS = 4096  # per rank: recent step events kept for step-time statistics
 
 
 class Watcher:
     """Incremental reader of one run directory."""
 
     def __init__(
-        self, run_dir: RunDir, *, hang_timeout: float, straggler_ratio: float, started: float
+        self,
+        run_dir: RunDir,
+        *,
+        hang_timeout: float,
+        straggler_ratio: float,
+        started: float,
+        startup_timeout: float = 900.0,
     ) -> None:
         self.run_dir = run_dir
         self.started = started
         self.hang_timeout = hang_timeout
         self.straggler_ratio = straggler_ratio
+        self.startup_timeout = startup_timeout
+        #: from RUN_DIR/procs/: mp.spawn parents (launcher-PID) and workers (pid-PID)
+        self.spawned_nprocs: int | None = None
+        self.spawner_pids: set[int] = set()
+        self.proc_notes: dict[int, dict[str, Any]] = {}
+        self._procs_seen: set[str] = set()
         self.ranks: dict[int, RankState] = {}
         self._tails: dict[int, EventTail] = {}
         self._progress_key: dict[int, Any] = {}
         self._last_state_t: dict[int, float] = {}
         self.last_progress: float | None = None
         self.world_size: int | None = None
-        self.steps_seen = 0
 
     def _rank(self, rank: int) -> RankState:
         if rank not in self.ranks:
@@ -43,6 +55,7 @@ class Watcher:
 
     def poll(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
+        self._read_proc_notes()
         for rank_id in self.run_dir.ranks():
             rank = self._rank(rank_id)
             tail = self._tails.setdefault(rank_id, EventTail(self.run_dir.events_file(rank_id)))
@@ -51,6 +64,27 @@ class Watcher:
             snapshot = read_json(self.run_dir.state_file(rank_id))
             if snapshot is not None:
                 self._on_snapshot(rank, snapshot, now)
+
+    def _read_proc_notes(self) -> None:
+        """Notes of mp.spawn parents and workers (see sddoctor.instrument.spawn); each read once."""
+        folder = self.run_dir.path / "procs"
+        try:
+            names = sorted(p.name for p in folder.iterdir() if p.suffix == ".json")
+        except OSError:
+            return
+        for name in names:
+            if name in self._procs_seen:
+                continue
+            self._procs_seen.add(name)
+            note = read_json(folder / name)
+            if not isinstance(note, dict) or not isinstance(note.get("pid"), int):
+                continue
+            if name.startswith("launcher-"):
+                self.spawner_pids.add(note["pid"])
+                if isinstance(note.get("nprocs"), int):
+                    self.spawned_nprocs = (self.spawned_nprocs or 0) + note["nprocs"]
+            elif name.startswith("pid-"):
+                self.proc_notes[note["pid"]] = note
 
     def merge_remote(self, ranks: dict[str, Any], now: float) -> None:
         """Ranks served by another node's supervisor (`--peers`): their snapshots, exits and stacks."""
@@ -78,8 +112,8 @@ class Watcher:
     def _on_event(self, rank: RankState, event: dict[str, Any], now: float) -> None:
         kind = event.get("kind")
         if kind == "step":
-            self.steps_seen += 1
             self.last_progress = now
+            self._on_step(rank, event)
         if kind not in _KEPT:
             return
         if kind == "exception":
@@ -106,12 +140,36 @@ class Watcher:
                 else:
                     info["code"] = code
             rank.exit = {**info, **(rank.exit or {})} if rank.exit else info
+        elif kind == "internal_error":
+            rank.internal_errors.append(event)
+            del rank.internal_errors[:-20]
         elif kind == "start":
+            if isinstance(event.get("code_roots"), dict):
+                rank.code_roots = event["code_roots"]
             if isinstance(event.get("world_size"), int):
                 self.world_size = event["world_size"]
             if isinstance(event.get("pid"), int):
                 rank.pid = rank.pid or event["pid"]
             rank.host = event.get("host") or rank.host
+
+    @staticmethod
+    def _on_step(rank: RankState, event: dict[str, Any]) -> None:
+        t, step = event.get("t"), event.get("step")
+        if not isinstance(t, (int, float)) or not isinstance(step, int):
+            return
+        step_time = event.get("step_time")
+        samples = event.get("samples")
+        rank.steps.append(
+            (
+                float(t),
+                step,
+                float(step_time) if isinstance(step_time, (int, float)) else None,
+                float(samples) if isinstance(samples, (int, float)) else None,
+            )
+        )
+        rank.step_count += 1
+        if len(rank.steps) > _MAX_STEPS:
+            del rank.steps[: len(rank.steps) - _MAX_STEPS]
 
     def _on_snapshot(self, rank: RankState, snap: dict[str, Any], now: float) -> None:
         rank.state = snap
@@ -204,6 +262,8 @@ class Watcher:
             last_progress=self.last_progress,
             hang_timeout=self.hang_timeout,
             straggler_ratio=self.straggler_ratio,
+            startup_timeout=self.startup_timeout,
+            spawned_nprocs=self.spawned_nprocs,
         )
 
 

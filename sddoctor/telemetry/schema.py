@@ -39,6 +39,9 @@ class EventKind(str, Enum):
     """type, message, traceback (list of "file:line in func"), caller."""
     EXIT = "exit"
     """status (ok|error|signal), code, step."""
+    INTERNAL_ERROR = "internal_error"
+    """where, type, message, traceback: sddoctor's own code failed inside the rank (recorded once per
+    site; the job went on unaffected). Reported as sddoctor's problem, never as the user's."""
     REPLICAS = "replicas"
     """step, params_sha256: a digest of the trained weights at the end of training; equal on every rank
     under DDP (the trainer compares them and warns `replicas_differ` when they are not)."""

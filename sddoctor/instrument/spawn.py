@@ -1,0 +1,127 @@
+"""Ranks started by `torch.multiprocessing.spawn` / `start_processes` or `multiprocessing.Process`.
+
+No launcher sets RANK for these: each worker becomes a rank when it calls init_process_group (see
+`api.arm_on_init`). What this module adds, for every Python process of a job run by `sddoctor run`:
+
+- `start_processes` (which `mp.spawn` calls) hands each worker its function wrapped in
+  `SpawnedWorker`, a picklable object: in the worker it notes the spawn index and pid under
+  `RUN_DIR/procs/` (so a worker stuck before init_process_group is named in a startup hang) and
+  records the exception that torch's `_wrap` would otherwise swallow into its error queue.
+  The parent notes how many workers it started (a hint of the world size before any rank joins).
+- `multiprocessing.process.BaseProcess.run` records the exception of a Process target the same
+  way (multiprocessing catches it and prints it; `sys.excepthook` never sees it).
+
+Exceptions are recorded only in a process that is itself a rank, and then re-raised unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sddoctor.instrument.safety import internal_error
+from sddoctor.telemetry.layout import RUN_DIR_ENV
+
+PROCS_DIR = "procs"
+
+
+def install() -> None:
+    """Arrange the patches for when the modules are imported (cheap: import hooks only)."""
+    from sddoctor.instrument.importhook import when_imported
+
+    when_imported("torch.multiprocessing.spawn", _patch_start_processes)
+    when_imported("multiprocessing.process", _patch_process_run)
+
+
+class SpawnedWorker:
+    """A worker function of `mp.spawn`, wrapped: picklable (it holds only the function)."""
+
+    def __init__(self, fn: Any, nprocs: int | None) -> None:
+        self.fn = fn
+        self.nprocs = nprocs
+
+    def __call__(self, index: int, *args: Any) -> Any:
+        _note(f"pid-{os.getpid()}", {"pid": os.getpid(), "spawn_index": index, "nprocs": self.nprocs})
+        try:
+            return self.fn(index, *args)
+        except Exception as exc:
+            record_exception(exc)
+            raise
+
+
+def record_exception(exc: BaseException) -> None:
+    """Record `exc` as this rank's uncaught exception, if this process is a rank. Never raises."""
+    try:
+        from sddoctor.instrument import api
+
+        session = api.active()
+        if session is not None and session.pid == os.getpid():
+            session.record_exception(exc, exc.__traceback__)
+    except Exception as error:  # noqa: BLE001
+        internal_error("exception record of a spawned worker", error)
+
+
+def _patch_start_processes(module: Any) -> None:
+    original = getattr(module, "start_processes", None)
+    if original is None or getattr(original, "__sddoctor_original__", None) is not None:
+        return
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return
+
+    @functools.wraps(original)
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            nprocs = bound.arguments.get("nprocs")
+            nprocs = nprocs if isinstance(nprocs, int) else None
+            bound.arguments["fn"] = SpawnedWorker(bound.arguments["fn"], nprocs)
+            _note(f"launcher-{os.getpid()}", {"pid": os.getpid(), "nprocs": nprocs})
+            args, kwargs = bound.args, bound.kwargs
+        except Exception as exc:  # noqa: BLE001 - the user's call goes through unchanged then
+            internal_error("mp.spawn", exc)
+        return original(*args, **kwargs)
+
+    start_processes.__sddoctor_original__ = original  # type: ignore[attr-defined]
+    module.start_processes = start_processes
+
+
+def _patch_process_run(module: Any) -> None:
+    cls = getattr(module, "BaseProcess", None)
+    run = getattr(cls, "run", None)
+    if run is None or getattr(run, "__sddoctor_original__", None) is not None:
+        return
+
+    @functools.wraps(run)
+    def patched_run(self: Any) -> Any:
+        try:
+            return run(self)
+        except Exception as exc:
+            record_exception(exc)
+            raise
+
+    patched_run.__sddoctor_original__ = run  # type: ignore[attr-defined]
+    cls.run = patched_run
+
+
+def _note(name: str, record: dict[str, Any]) -> None:
+    """Write RUN_DIR/procs/NAME.json (small, once per process). Never raises."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    try:
+        folder = Path(run_dir) / PROCS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text(json.dumps({**record, "t": time.time(), "argv": list(sys.argv)[:8]}))
+        os.replace(tmp, folder / f"{name}.json")
+    except Exception as exc:  # noqa: BLE001
+        internal_error("process note", exc)

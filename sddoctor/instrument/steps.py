@@ -1,0 +1,151 @@
+"""Optimizer steps of an unchanged DDP program, inferred from its DDP model.
+
+Every DDP program shows sddoctor one event per optimizer step: the last gradient bucket of a
+synchronised backward passes through sddoctor's comm hook (`ddp_hook`). Under `no_sync` (gradient
+accumulation) DDP all-reduces nothing, so the hook sees optimizer steps, not micro-batches. A
+forward pre-hook on the same model counts the samples (the leading dimension of the forward's first
+tensor argument) and the micro-batches between two synchronised backwards, and starts the next step
+at the next forward: that is where step-bound faults (`kill:...,step=S`) fire, at the user's own
+`model(x)` line, never inside backward.
+
+Steps are counted on the first DDP model that finishes a synchronised backward (a program with
+several DDP models, a GAN say, counts the steps of that one). A model that carries another comm
+hook (the user's own: PowerSGD, fp16 compression) ends its steps at the next training forward
+after a forward that will synchronise, instead of at its last bucket. An explicit `sdi.step()`
+takes precedence: the first one turns inference off for the rest of the run, and so does
+`sdi.enable(infer_steps=False)` or SDDOCTOR_INFER_STEPS=0.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from sddoctor.instrument.safety import internal_error
+
+INFER_ENV = "SDDOCTOR_INFER_STEPS"
+_MAX_DEPTH = 3
+
+
+def first_batch_size(args: tuple, kwargs: dict) -> int | None:
+    """The leading dimension of the first tensor among a forward's arguments (nested one or two levels)."""
+    stack: list[tuple[Any, int]] = [(a, 0) for a in (*args, *kwargs.values())]
+    stack.reverse()
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() > 0 else None
+        if depth >= _MAX_DEPTH:
+            continue
+        if isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in reversed(value))
+        elif isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in reversed(list(value.values())))
+    return None
+
+
+class StepInference:
+    """Turns a DDP model's forwards and synchronised backwards into `step` events of a session."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.enabled = os.environ.get(INFER_ENV, "1") != "0"
+        self.step = 0  # steps finished
+        self._primary: weakref.ReferenceType[Any] | None = None
+        self._samples = 0
+        self._micro_batches = 0
+        self._samples_known = True
+        self._step_started: float | None = None
+        self._last_end: float | None = None
+        self._ended = True  # the previous step ended: the next training forward starts one
+        self._sync_pending = False  # forward-only mode: a synchronising forward awaits its end
+
+    def attach(self, ddp_model: Any) -> None:
+        """Watch `ddp_model` (a DistributedDataParallel just constructed)."""
+        model_ref = weakref.ref(ddp_model)
+        ddp_model.register_forward_pre_hook(
+            lambda module, args, kwargs: self._on_forward(model_ref, args, kwargs), with_kwargs=True
+        )
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def _on_forward(self, model_ref: weakref.ReferenceType[Any], args: tuple, kwargs: dict) -> None:
+        if not self.enabled:
+            return
+        try:
+            model = model_ref()
+            if model is None or not model.training or not torch.is_grad_enabled():
+                return
+            if self._primary is None:
+                self._primary = model_ref  # the first DDP model that trains is the one counted
+            elif self._primary is not model_ref:
+                return
+            self._watch_backward(model, model_ref)
+            if self._sync_pending and not _has_our_hook(model):
+                self._end_step(time.time())  # forward-only mode: the previous step is over
+            if self._ended:
+                self._ended = False
+                self._step_started = time.time()
+                self.session.begin_step(self.step + 1)  # may fire an injected fault on purpose
+            size = first_batch_size(args, kwargs)
+            if size is None:
+                self._samples_known = False
+            else:
+                self._samples += size
+            self._micro_batches += 1
+            if getattr(model, "require_backward_grad_sync", True) and not _has_our_hook(model):
+                self._sync_pending = True
+        except Exception as exc:  # noqa: BLE001
+            from sddoctor.instrument.safety import is_injected
+
+            if is_injected(exc):
+                raise
+            internal_error("step inference (forward)", exc)
+
+    def _watch_backward(self, model: Any, model_ref: weakref.ReferenceType[Any]) -> None:
+        from sddoctor.instrument import ddp_hook
+
+        state = ddp_hook.installed_state(model)
+        if state is not None and state.on_synced_backward is None:
+            state.on_synced_backward = lambda: self._on_synced_backward(model_ref)
+
+    def _on_synced_backward(self, model_ref: weakref.ReferenceType[Any]) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self._primary is not model_ref:
+                return
+            if not self._ended:
+                self._end_step(time.time())
+        except Exception as exc:  # noqa: BLE001
+            internal_error("step inference (backward)", exc)
+
+    def _end_step(self, now: float) -> None:
+        self.step += 1
+        begun = self._last_end if self._last_end is not None else self._step_started
+        fields: dict[str, Any] = {"source": "ddp", "grad_accum": self._micro_batches}
+        if begun is not None:
+            fields["step_time"] = round(now - begun, 6)
+        if self._samples_known and self._samples:
+            fields["samples"] = self._samples
+        self.session.record_step(self.step, **fields)
+        self._last_end = now
+        self._samples = 0
+        self._micro_batches = 0
+        self._samples_known = True
+        self._ended = True
+        self._sync_pending = False
+
+    def stop(self) -> None:
+        """An explicit step took over."""
+        self.enabled = False
+
+
+def _has_our_hook(model: Any) -> bool:
+    from sddoctor.instrument import ddp_hook
+
+    return ddp_hook.installed_state(model) is not None
