@@ -301,6 +301,7 @@ class Trainer:
         sdi.enable(
             telemetry_dir,
             trace=cfg.train.trace_collectives,
+            infer_steps=False,  # the trainer reports its own steps
             rank=self.dist.rank,
             local_rank=self.dist.local_rank,
             world_size=self.dist.world_size,
