@@ -101,6 +101,8 @@ _NAMESPACE_ONLY = {"isend", "irecv"}
 _QUIET = ("init_process_group", "new_group", "new_subgroups", "destroy_process_group")
 
 _MAX_PENDING = 4096  # per group: bounds memory if completion is never observed
+_RECENT = 256  # calls kept for the snapshot's `recent` list (when each rank arrived where)
+_RECENT_SECONDS = 3.0  # a snapshot lists the calls of the last seconds (snapshots can be missed)
 _MAX_LISTED = 8  # tensors of one call whose shapes are recorded
 
 _tls = threading.local()
@@ -215,6 +217,8 @@ class Tracer:
         self._coalescing: dict[Any, Any] = {}
         self._fired: set[str] = set()
         self._hold_next = False  # a skip fault fired: the next collective never gets issued
+        #: the latest calls, for the supervisor's arrival statistics (stragglers); one append a call
+        self.recent: collections.deque[_Rec] = collections.deque(maxlen=_RECENT)
         self.set_faults(faults or [])
 
     def set_faults(self, faults: list[Fault]) -> None:
@@ -311,6 +315,7 @@ class Tracer:
         rec.deferred = False
         rec.t0 = time.time()
         st.current = rec
+        self.recent.append(rec)
         if hold:
             self._hold("shape")
         return ("go", st, rec, args, kwargs, restore, user_async, on_cuda)
@@ -474,10 +479,12 @@ class Tracer:
                 if rec.t1 is None:
                     inflight.append(rec.as_dict(now))
         inflight.sort(key=lambda d: d["since"])
+        recent = [r.as_dict(now) for r in list(self.recent) if r.t0 >= now - _RECENT_SECONDS]
         stats = dict(self.op_stats)
         out: dict[str, Any] = {
             "inflight": inflight,
             "issued": issued,
+            "recent": recent,
             # cumulative time inside completed collectives: a straggler waits least
             "totals": {
                 "count": int(sum(v[0] for v in stats.values())),

@@ -6,7 +6,7 @@ No I/O here. Each function looks at one kind of trouble:
   consequence (torchrun's SIGTERM, "connection reset by peer") are not blamed.
 - `diagnose_oom`: out-of-memory events, and whether the trainer's fallback absorbed them.
 - `diagnose_hang`: no progress for `hang_timeout`; classified by where each rank is.
-- `diagnose_straggler`: the rank that makes the others wait inside collectives.
+- `diagnose_straggler` (in `straggler`): the rank that the others keep waiting for.
 
 `diagnose` runs them all and orders the verdicts most severe first.
 """
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import re
 import signal
-from statistics import median
 from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
 from sddoctor.supervise.state import VERDICT_KINDS, RankState, RunState, Verdict
+from sddoctor.supervise.straggler import diagnose_straggler
 
 #: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
 _PEER_FAILURE = re.compile(
@@ -920,202 +920,6 @@ def diagnose_no_collectives(state: RunState) -> list[Verdict]:
         "collective and finished no step: there was nothing to check for hangs, stragglers or mismatches"
     )
     return [Verdict("no_collectives", "info", summary, None, None, {"ranks": len(state.ranks)}, [])]
-
-
-# -- straggler --------------------------------------------------------------------------------
-
-
-def rank_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
-    """Per collective: mean period between arrivals, mean time inside, compute = period - inside.
-
-    Uses sparse sightings: two sightings of seqs k1 < k2 at enqueue times t1 < t2 give the mean
-    period (t2 - t1) / (k2 - k1), whatever happened in between.
-    """
-    exact = totals_timing(rank, since)
-    if exact is not None:
-        return exact
-    best: dict[str, float] | None = None
-    for sightings in rank.arrivals.values():
-        items = sorted((seq, a) for seq, a in sightings.items() if since is None or a.enqueue >= since)
-        if len(items) < 3 or items[-1][0] == items[0][0]:
-            continue
-        period = (items[-1][1].enqueue - items[0][1].enqueue) / (items[-1][0] - items[0][0])
-        durations = [a.duration for _, a in items if a.duration is not None]
-        if not durations or period <= 0:
-            continue
-        inside = sum(durations) / len(durations)
-        timing = {
-            "period": period,
-            "inside": inside,
-            "compute": max(0.0, period - inside),
-            "samples": float(len(durations)),
-        }
-        if best is None or timing["samples"] > best["samples"]:
-            best = timing
-    return best or ddp_timing(rank, since)
-
-
-def totals_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
-    """Per collective, from the tracer's cumulative totals (count, seconds inside): exact means."""
-    samples = [s for s in rank.totals_samples if since is None or s[0] >= since]
-    # Idle stretches before the first and after the last collective (a trainer building its model,
-    # saving at the end) are not time between collectives: keep from the last sample before the
-    # count first moves to the first sample after it last moved.
-    while len(samples) >= 2 and samples[1][1] == samples[0][1]:
-        samples.pop(0)
-    while len(samples) >= 2 and samples[-2][1] == samples[-1][1]:
-        samples.pop()
-    if len(samples) < 3:
-        return None
-    (t0, n0, sec0), (t1, n1, sec1) = samples[0], samples[-1]
-    count = n1 - n0
-    if count < 3 or t1 <= t0:
-        return None
-    return _per_unit(t1 - t0, sec1 - sec0, count, len(samples))
-
-
-def _per_unit(elapsed: float, seconds_inside: float, units: int, samples: int) -> dict[str, float]:
-    """Period, time inside collectives and compute (period - inside) per unit (collective or step)."""
-    period = elapsed / units
-    inside = max(0.0, seconds_inside) / units
-    return {
-        "period": period,
-        "inside": inside,
-        "compute": max(0.0, period - inside),
-        "samples": float(samples),
-    }
-
-
-def ddp_timing(rank: RankState, since: float | None = None) -> dict[str, float] | None:
-    """Per training step, from the DDP comm hook counters: period, time inside bucket all-reduces,
-    compute = period - inside. For DDP jobs whose only collectives are the gradient buckets."""
-    samples = [s for s in rank.ddp_samples if since is None or s[0] >= since]
-    if len(samples) < 3:
-        return None
-    (t0, _, sec0, step0), (t1, _, sec1, step1) = samples[0], samples[-1]
-    steps = step1 - step0
-    if steps <= 0 or t1 <= t0:
-        return None
-    return _per_unit(t1 - t0, sec1 - sec0, steps, len(samples))
-
-
-def diagnose_straggler(state: RunState, window: float = 60.0) -> list[Verdict]:
-    """The rank that computes longest between collectives while the others wait for it.
-
-    Under DDP all ranks share one step time (fast ranks wait inside the collectives), so step
-    time cannot tell; the time spent *outside* collectives can.
-    """
-    # The window ends at the latest sighting, not at `now`: a finished run is judged on its end.
-    latest = max(
-        [a.enqueue for r in state.ranks.values() for s in r.arrivals.values() for a in s.values()]
-        + [s[0] for r in state.ranks.values() for s in r.ddp_samples]
-        + [s[0] for r in state.ranks.values() for s in r.totals_samples],
-        default=state.now,
-    )
-    since = min(state.now, latest) - window
-    timings = {r.rank: t for r in state.ranks.values() if (t := rank_timing(r, since))}
-    if len(timings) < 2:
-        return []
-    slow = max(timings, key=lambda r: timings[r]["compute"])
-    others = [t for r, t in timings.items() if r != slow]
-    other_compute = median(t["compute"] for t in others)
-    other_wait = median(t["inside"] for t in others)
-    mine = timings[slow]
-    # Below 10 ms the others' compute is within the measurement's edge effects (a wait that began
-    # before the window counts whole): the floor keeps the ratio meaningful.
-    ratio = mine["compute"] / max(other_compute, 0.01)
-    # Absolute floors keep a healthy job of tiny collectives (noise of a few ms) out.
-    if ratio < state.straggler_ratio or mine["compute"] - other_compute < 0.05 or other_wait < 0.05:
-        return []
-    if other_wait < 0.2 * mine["period"]:
-        return []
-    rank = state.ranks[slow]
-    last_arrivals = _last_arrival_counts(state)
-    location = _where_others_wait(state, slow, since) or _most_used_call_site(rank, since) or _where(rank)[0]
-    others_text = (
-        f"{ratio:.1f}x the others ({other_compute:.3f} s)"
-        if other_compute >= 0.01
-        else "while the others compute almost nothing in between"
-    )
-    summary = (
-        f"straggler: rank {slow} computes {mine['compute']:.3f} s between collectives, {others_text}; "
-        f"they wait {other_wait:.3f} s per collective for it"
-    )
-    evidence = [
-        f"rank {r}: period {t['period']:.3f} s, inside collectives {t['inside']:.3f} s, compute {t['compute']:.3f} s"
-        f" ({int(t['samples'])} samples)"
-        for r, t in sorted(timings.items())
-    ]
-    if sum(last_arrivals.values()) >= 3:
-        total = sum(last_arrivals.values())
-        evidence.append(
-            f"last to arrive at collectives seen on all ranks: rank {slow} in {last_arrivals.get(slow, 0)} of {total}"
-        )
-    details = {
-        "ratio": round(ratio, 2),
-        "threshold": state.straggler_ratio,
-        "timings": {str(r): {k: round(v, 4) for k, v in t.items()} for r, t in timings.items()},
-        "others_wait_seconds": round(other_wait, 4),
-        "last_arrivals": {str(k): v for k, v in last_arrivals.items()},
-    }
-    if rank.faults:
-        fault = _fault_of(rank, ("sleep",))
-        if fault:
-            evidence.append(
-                f"injected fault {fault.get('fault')!r} fired on rank {slow} at {fault.get('caller')}"
-            )
-            location = location or fault.get("caller")
-    return [Verdict("straggler", "warning", summary, slow, location, details, evidence)]
-
-
-def _where_others_wait(state: RunState, slow: int, since: float) -> str | None:
-    """The straggler's call site of the collectives the others waited longest in for it.
-
-    Sums, per call site of the straggler, how much later it entered than the others (median) over
-    the collectives sighted on every live rank: a trainer issues several collectives per step, and
-    the one right after the slow part is where the waiting happens, not the most frequent one.
-    """
-    live = [r for r in state.ranks.values() if not r.exited]
-    me = state.ranks[slow]
-    others = [r for r in live if r.rank != slow]
-    if me not in live or not others:
-        return None
-    waits: dict[str, float] = {}
-    for pg, sightings in me.arrivals.items():
-        for seq, mine in sightings.items():
-            if not mine.caller or mine.enqueue < since:
-                continue
-            theirs = [r.arrivals.get(pg, {}).get(seq) for r in others]
-            if any(a is None for a in theirs):
-                continue
-            late = mine.enqueue - median(a.enqueue for a in theirs if a is not None)
-            if late > 0:
-                waits[mine.caller] = waits.get(mine.caller, 0.0) + late
-    return max(waits, key=lambda c: waits[c]) if waits else None
-
-
-def _most_used_call_site(rank: RankState, since: float) -> str | None:
-    callers: dict[str, int] = {}
-    for sightings in rank.arrivals.values():
-        for a in sightings.values():
-            if a.caller and a.enqueue >= since:
-                callers[a.caller] = callers.get(a.caller, 0) + 1
-    return max(callers, key=lambda c: callers[c]) if callers else None
-
-
-def _last_arrival_counts(state: RunState) -> dict[int, int]:
-    """For each collective sighted on every live rank: who arrived last (counts per rank)."""
-    live = [r for r in state.ranks.values() if not r.exited]
-    counts: dict[int, int] = {}
-    if len(live) < 2:
-        return counts
-    pgs = set.intersection(*(set(r.arrivals) for r in live))
-    for pg in pgs:
-        seqs = set.intersection(*(set(r.arrivals[pg]) for r in live))
-        for seq in seqs:
-            last = max(live, key=lambda r: r.arrivals[pg][seq].enqueue)
-            counts[last.rank] = counts.get(last.rank, 0) + 1
-    return counts
 
 
 def _join(ranks: list[int]) -> str:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,74 @@ def _read(path: str) -> str | None:
         return Path(path).read_text()
     except OSError:
         return None
+
+
+def sample_hot_frame(
+    pid: int, roots: CodeRoots | None = None, *, seconds: int = 2, rate: int = 50, timeout: float = 15.0
+) -> dict[str, Any]:
+    """Where a process's main thread spends its time outside collectives: py-spy samples it for
+    `seconds` without pausing it (--nonblocking), and the innermost frame of the user's own code
+    that most samples share is the answer. Samples taken inside torch.distributed (waiting in a
+    collective) are left out. {location, function, share, samples} or {error}."""
+    exe = py_spy_path()
+    if exe is None:
+        return {"error": ptrace_problem() or "py-spy is not installed"}
+    roots = current_roots().merged(roots)
+    with tempfile.TemporaryDirectory(prefix="sddoctor-samples-") as tmp:
+        out = Path(tmp) / "raw.txt"
+        cmd = [
+            exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(seconds),
+            "--rate",
+            str(rate),
+            "--format",
+            "raw",
+        ]
+        cmd += ["--full-filenames", "--nonblocking", "--idle", "--threads", "--output", str(out)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _resume(pid)
+            return {"error": f"py-spy record timed out after {timeout:.0f} s"}
+        except OSError as exc:
+            return {"error": f"cannot run py-spy: {exc}"}
+        if proc.returncode != 0 or not out.exists():
+            _resume(pid)
+            return {"error": explain_failure(proc.stderr or proc.stdout)}
+        return hot_frame(out.read_text(errors="replace"), pid, roots)
+
+
+def hot_frame(raw: str, pid: int, roots: CodeRoots) -> dict[str, Any]:
+    """The busiest user line of the main thread in py-spy's raw (folded) output."""
+    waiting = tuple(os.path.join(root, "distributed", "") for root in roots.internal)
+    counts: dict[tuple[str, str], int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        head, _, frames_text = stack.partition(";")
+        if not count_text.isdigit() or not head.startswith(f"thread ({pid})"):
+            continue
+        frames = [_parse_folded(f) for f in frames_text.split(";") if f]
+        if any(path.startswith(waiting) for path, _, _ in frames):
+            continue  # inside a collective: waiting, not working
+        total += int(count_text)
+        for path, line_no, name in reversed(frames):  # innermost first
+            if roots.is_user(path):
+                key = (f"{path}:{line_no}", name)
+                counts[key] = counts.get(key, 0) + int(count_text)
+                break
+    if not counts:
+        return {"error": "no sample of the main thread was in the user's own code", "samples": total}
+    (location, function), hits = max(counts.items(), key=lambda kv: kv[1])
+    return {"location": location, "function": function, "share": round(hits / total, 3), "samples": total}
+
+
+def _parse_folded(frame: str) -> tuple[str, str, str]:
+    """'name (path:line)' -> (path, line, name)."""
+    name, _, rest = frame.rpartition(" (")
+    path, _, line = rest.rstrip(")").rpartition(":")
+    return path, line, name

@@ -92,11 +92,6 @@ class RankState:
     arrivals: dict[str, dict[int, Arrival]] = field(default_factory=dict)
     #: Watched by another node's supervisor (`--peers`); its snapshot arrives over HTTP.
     remote: bool = False
-    #: Traced-collective totals from snapshots: (t, count, seconds inside), cumulative.
-    totals_samples: list[tuple[float, float, float]] = field(default_factory=list)
-    #: DDP comm hook counters from snapshots: (t, buckets, seconds inside bucket all-reduces, step),
-    #: all cumulative.
-    ddp_samples: list[tuple[float, float, float, float]] = field(default_factory=list)
     #: Recent `step` events: (t, step, step_time or None, samples or None), oldest first (bounded).
     steps: list[tuple[float, int, float | None, float | None]] = field(default_factory=list)
     #: Steps seen in all (the list above keeps only the recent ones).
@@ -171,6 +166,9 @@ class RunState:
     unjoined: list[dict[str, Any]] = field(default_factory=list)
     #: Workers an mp.spawn parent started (a hint of the world size before any rank joins).
     spawned_nprocs: int | None = None
+    #: Stragglers declared by the supervisor's tracker (`straggler.Episode.to_dict()`); None when no
+    #: tracker watched the run (the last window of arrivals is judged instead).
+    straggler_episodes: list[dict[str, Any]] | None = None
     #: The launcher's end: {code, t} once it has exited.
     job_exit: dict[str, Any] | None = None
     #: Failures the launcher reported (torchrun's "Root Cause" block): [{rank, exitcode, pid, root_cause}].

@@ -19,6 +19,7 @@ from sddoctor.supervise.http import StateServer
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RunState, Verdict
+from sddoctor.supervise.straggler import Episode, StragglerTracker
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
 from sddoctor.telemetry import RunDir
 
@@ -72,6 +73,8 @@ class Supervisor:
         self.hang_handled_at: tuple[float | None] | None = None  # (last_progress,) of the hang acted on
         self.stacks_problem: str | None = None
         self.unjoined: list[dict[str, Any]] = []
+        self.stragglers = StragglerTracker()
+        self._samplers: list[threading.Thread] = []
         self.flight_recorder: dict[str, Any] | None = None
         self.printed: set[tuple[str, Any]] = set()
         self.signals: list[int] = []
@@ -184,6 +187,10 @@ class Supervisor:
         state.stopped_by_supervisor = self.stopped_by
         state.stopped_at = self.stopped_at
         state.hang_declared_by = self._peer_hang(state)
+        declared = self.stragglers.update(state, now)
+        if declared is not None:
+            self._sample_straggler(declared, state)
+        state.straggler_episodes = self._straggler_records()
         if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != state.last_progress):
             self.hang_handled_at = (state.last_progress,)
             self.on_hang(state)
@@ -258,6 +265,34 @@ class Supervisor:
             self.stopped_at = time.time()
             self.job.kill_tree(grace=3.0)
 
+    def _sample_straggler(self, episode: Episode, state: RunState) -> None:
+        """Where the straggler's time goes: a few seconds of py-spy samples, off the watch loop. Its
+        verdict appears (and is printed) once they are in."""
+        rank = state.ranks[episode.rank]
+        pid = self.job.ranks[episode.rank].pid if episode.rank in self.job.ranks else None
+        roots = CodeRoots.from_dict(rank.code_roots)
+
+        def sample() -> None:
+            if pid is None:
+                episode.cause_problem = "the straggler runs on another node"
+            else:
+                result = stacks.sample_hot_frame(pid, roots)
+                if "error" in result:
+                    episode.cause_problem = str(result["error"])
+                else:
+                    episode.cause = result
+            episode.ready = True
+
+        thread = threading.Thread(target=sample, name="sddoctor-straggler-samples", daemon=True)
+        self._samplers.append(thread)
+        thread.start()
+
+    def _straggler_records(self, wait: bool = False) -> list[dict[str, Any]]:
+        if wait:
+            for thread in self._samplers:
+                thread.join(timeout=15.0)
+        return [e.to_dict() for e in self.stragglers.episodes.values() if e.ready or wait]
+
     def _unjoined(self) -> list[dict[str, Any]]:
         """Processes of the job that are no rank yet (an mp.spawn worker before init_process_group)."""
         notes = self.watcher.proc_notes
@@ -322,6 +357,7 @@ class Supervisor:
         state.stacks_problem = self.stacks_problem
         state.flight_recorder = self.flight_recorder
         state.unjoined = self.unjoined
+        state.straggler_episodes = self._straggler_records(wait=True)
         self.verdicts = _merge(self.hang_verdicts, diagnose(state))
         self.state = state
         job_code = self.job.exit_code

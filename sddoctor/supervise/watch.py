@@ -198,22 +198,6 @@ class Watcher:
             if isinstance(c, dict):
                 self._sight(rank, c, enqueue=c.get("since"), duration=c.get("duration"))
         ddp = colls.get("ddp")
-        totals = colls.get("totals")
-        if (
-            isinstance(totals, dict)
-            and isinstance(t, (int, float))
-            and isinstance(totals.get("count"), (int, float))
-        ):
-            rank.totals_samples.append(
-                (float(t), float(totals["count"]), float(totals.get("seconds") or 0.0))
-            )
-            del rank.totals_samples[:-120]
-        step = snap.get("step")
-        if isinstance(ddp, dict) and isinstance(t, (int, float)) and isinstance(step, (int, float)):
-            rank.ddp_samples.append(
-                (float(t), float(ddp.get("buckets") or 0), float(ddp.get("seconds") or 0.0), float(step))
-            )
-            del rank.ddp_samples[:-120]
         key = (
             snap.get("step"),
             tuple(sorted((str(k), v) for k, v in (colls.get("issued") or {}).items()))

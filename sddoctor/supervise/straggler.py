@@ -1,0 +1,354 @@
+"""Stragglers: the rank that the others keep waiting for, measured from when each rank arrives.
+
+Under DDP every rank has the same step time (the fast ones wait inside the collectives), so step
+time alone cannot tell who is slow. When each rank enters each collective can: at collective k the
+ranks that arrive before the last one wait for it, from their own arrival to the last arrival.
+The union of those intervals over a window is how much of its wall time a rank spent waiting for
+others (`wait_share`); the rest is its own work (`busy_share`). Enqueue times are taken on the CPU
+when the call is made, so this holds on gloo and on NCCL, for blocking and asynchronous
+collectives (DDP's gradient buckets) alike.
+
+A straggler is persistent, not a blip: within the window (60 s) it must be the last to arrive at
+most collectives (`LAST_SHARE`), its busy time must be `straggler_ratio` times the median other
+rank's, the others must spend a real share of their time waiting for it, over enough collectives
+and steps; and `StragglerTracker` declares it only once that has held for `CONFIRM_SECONDS` and
+`CONFIRM_STEPS` more steps. The first steps, a compile, a checkpoint save on one rank or work all
+ranks share do not pass: each is one late arrival, or no skew at all. The live warning and the
+final verdict come from the same episodes.
+
+Pure functions and plain state; the supervisor adds the straggler's own hot line from py-spy
+samples (`stacks.sample_hot_frame`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from sddoctor.supervise.state import RankState, RunState, Verdict
+
+WINDOW = 60.0
+MIN_COLLECTIVES = 10
+MIN_STEPS = 5
+LAST_SHARE = 0.6
+MIN_OTHERS_WAIT_SHARE = 0.1
+MIN_WAIT_SECONDS = 0.05
+CONFIRM_SECONDS = 10.0
+CONFIRM_STEPS = 5
+
+
+@dataclass
+class Finding:
+    """A rank that the others waited for in one window, with the figures of that window."""
+
+    rank: int
+    ratio: float  # its busy share / the median other rank's
+    busy_share: float
+    others_busy_share: float
+    others_wait_share: float
+    last_share: float
+    collectives: int
+    steps: int  # steps finished in the window (0: the program reports none)
+    period: float | None  # seconds per step, if steps are known
+    per_collective: float  # seconds per collective (span / collectives)
+    wait_site: str | None
+    since: float
+    until: float
+    shares: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def unit(self) -> str:
+        return "step" if self.period else "collective"
+
+    @property
+    def seconds_per_unit(self) -> float:
+        return self.busy_share * (self.period or self.per_collective)
+
+    @property
+    def others_seconds_per_unit(self) -> float:
+        return self.others_busy_share * (self.period or self.per_collective)
+
+    @property
+    def others_wait_per_unit(self) -> float:
+        return self.others_wait_share * (self.period or self.per_collective)
+
+    def persistent(self, ratio: float) -> bool:
+        """Whether the window shows a persistent straggler at `ratio` (see the module docstring)."""
+        return (
+            self.collectives >= MIN_COLLECTIVES
+            and (self.steps == 0 or self.steps >= MIN_STEPS)
+            and self.last_share >= LAST_SHARE
+            and self.ratio >= ratio
+            and self.others_wait_share >= MIN_OTHERS_WAIT_SHARE
+            and self.others_wait_per_unit >= MIN_WAIT_SECONDS
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "ratio": round(self.ratio, 2),
+            "unit": self.unit,
+            "seconds_per_unit": round(self.seconds_per_unit, 4),
+            "others_seconds_per_unit": round(self.others_seconds_per_unit, 4),
+            "others_wait_per_unit": round(self.others_wait_per_unit, 4),
+            "others_wait_share": round(self.others_wait_share, 4),
+            "last_share": round(self.last_share, 3),
+            "percent_slower": round(100.0 * (self.ratio - 1.0), 1),
+            "period": round(self.period, 4) if self.period else None,
+            "collectives": self.collectives,
+            "steps": self.steps,
+            "wait_site": self.wait_site,
+            "window": [round(self.since, 3), round(self.until, 3)],
+            "shares": {str(r): {k: round(v, 4) for k, v in s.items()} for r, s in self.shares.items()},
+        }
+
+
+def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
+    """The rank the others waited for most in the last `window` seconds of arrivals, or None."""
+    live = [r for r in state.ranks.values() if not r.exited]
+    if len(live) < 2:
+        return None
+    latest = max((a.enqueue for r in live for s in r.arrivals.values() for a in s.values()), default=None)
+    if latest is None:
+        return None
+    since = latest - window
+    rounds = _common_collectives(live, since)
+    if len(rounds) < 2:
+        return None
+    start = min(min(t.values()) for t in rounds)
+    end = max(max(t.values()) for t in rounds)
+    span = end - start
+    if span <= 0:
+        return None
+    shares: dict[int, dict[str, float]] = {}
+    for rank in live:
+        intervals = [(t[rank.rank], max(t.values())) for t in rounds]
+        last = sum(1 for t in rounds if max(t, key=lambda r: (t[r], r)) == rank.rank)
+        wait = _union_length(intervals) / span
+        shares[rank.rank] = {"wait": wait, "busy": max(0.0, 1.0 - wait), "last": last / len(rounds)}
+    slow = max(shares, key=lambda r: (shares[r]["busy"], shares[r]["last"]))
+    others = [s for r, s in shares.items() if r != slow]
+    others_busy = median(s["busy"] for s in others)
+    steps, period = _steps_in(live, since, latest)
+    return Finding(
+        rank=slow,
+        ratio=shares[slow]["busy"] / max(others_busy, 0.01),
+        busy_share=shares[slow]["busy"],
+        others_busy_share=others_busy,
+        others_wait_share=median(s["wait"] for s in others),
+        last_share=shares[slow]["last"],
+        collectives=len(rounds),
+        steps=steps,
+        period=period,
+        per_collective=span / len(rounds),
+        wait_site=where_others_wait(state, slow, since),
+        since=start,
+        until=end,
+        shares=shares,
+    )
+
+
+def _common_collectives(live: list[RankState], since: float) -> list[dict[int, float]]:
+    """Per collective seen on every live rank since `since`: each rank's arrival (enqueue) time."""
+    pgs = set.intersection(*(set(r.arrivals) for r in live))
+    rounds = []
+    for pg in pgs:
+        seqs = set.intersection(*(set(r.arrivals[pg]) for r in live))
+        for seq in seqs:
+            times = {r.rank: r.arrivals[pg][seq].enqueue for r in live}
+            if min(times.values()) >= since:
+                rounds.append(times)
+    return rounds
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, None
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if reach is None or a > reach:
+            total += b - a
+            reach = b
+        elif b > reach:
+            total += b - reach
+            reach = b
+    return total
+
+
+def _steps_in(live: list[RankState], since: float, until: float) -> tuple[int, float | None]:
+    """Steps finished in the window (fewest over the ranks) and the median seconds per step."""
+    counts, periods = [], []
+    for rank in live:
+        times = [t for t, *_ in rank.steps if since <= t <= until + 1.0]
+        counts.append(len(times))
+        if len(times) >= 2:
+            periods.append((times[-1] - times[0]) / (len(times) - 1))
+    if not counts or min(counts) == 0:
+        return 0, None
+    return min(counts), (median(periods) if periods else None)
+
+
+def where_others_wait(state: RunState, slow: int, since: float) -> str | None:
+    """The straggler's call site of the collectives the others waited longest in for it.
+
+    Sums, per call site of the straggler, how much later it entered than the others (median) over
+    the collectives sighted on every live rank: a program issues several collectives per step, and
+    the one right after the slow part is where the waiting happens, not the most frequent one.
+    """
+    live = [r for r in state.ranks.values() if not r.exited]
+    me = state.ranks[slow]
+    others = [r for r in live if r.rank != slow]
+    if me not in live or not others:
+        return None
+    waits: dict[str, float] = {}
+    for pg, sightings in me.arrivals.items():
+        for seq, mine in sightings.items():
+            if not mine.caller or mine.enqueue < since:
+                continue
+            theirs = [r.arrivals.get(pg, {}).get(seq) for r in others]
+            if any(a is None for a in theirs):
+                continue
+            late = mine.enqueue - median(a.enqueue for a in theirs if a is not None)
+            if late > 0:
+                waits[mine.caller] = waits.get(mine.caller, 0.0) + late
+    return max(waits, key=lambda c: waits[c]) if waits else None
+
+
+# -- persistence ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Episode:
+    """A declared straggler: from when the evidence held, its latest figures and its hot line."""
+
+    rank: int
+    since: float
+    declared: float
+    finding: Finding
+    last_seen: float
+    cause: dict[str, Any] | None = None
+    cause_problem: str | None = None
+    ready: bool = False  # its hot line was sampled (or could not be): the verdict may be shown
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "since": self.since,
+            "declared": self.declared,
+            "last_seen": self.last_seen,
+            "finding": self.finding.to_dict(),
+            "cause": self.cause,
+            "cause_problem": self.cause_problem,
+        }
+
+
+class StragglerTracker:
+    """Declares a straggler once its window evidence has held long enough; keeps the episodes."""
+
+    def __init__(self, confirm_seconds: float = CONFIRM_SECONDS, confirm_steps: int = CONFIRM_STEPS) -> None:
+        self.confirm_seconds = confirm_seconds
+        self.confirm_steps = confirm_steps
+        self.episodes: dict[int, Episode] = {}
+        self._candidate: tuple[int, float, int] | None = None  # rank, first seen, its step count then
+
+    def update(self, state: RunState, now: float | None = None) -> Episode | None:
+        """Judge the current window; returns an episode when it is declared at this call."""
+        now = time.time() if now is None else now
+        finding = analyse(state)
+        if finding is None or not finding.persistent(state.straggler_ratio):
+            self._candidate = None
+            return None
+        rank = finding.rank
+        steps_now = state.ranks[rank].step_count
+        episode = self.episodes.get(rank)
+        if episode is not None:
+            episode.finding, episode.last_seen = finding, now
+            return None
+        if self._candidate is None or self._candidate[0] != rank:
+            self._candidate = (rank, now, steps_now)
+            return None
+        _, first, steps_then = self._candidate
+        enough_steps = finding.steps == 0 or steps_now - steps_then >= self.confirm_steps
+        if now - first < self.confirm_seconds or not enough_steps:
+            return None
+        episode = Episode(rank=rank, since=finding.since, declared=now, finding=finding, last_seen=now)
+        self.episodes[rank] = episode
+        return episode
+
+
+# -- verdicts ---------------------------------------------------------------------------------------
+
+
+def diagnose_straggler(state: RunState) -> list[Verdict]:
+    """The straggler verdicts: the tracker's episodes when a supervisor keeps them (live, and in its
+    final report), else what the last window shows (a run directory read after the fact)."""
+    if state.straggler_episodes is not None:
+        return [episode_verdict(state, e) for e in state.straggler_episodes]
+    finding = analyse(state)
+    if finding is None or not finding.persistent(state.straggler_ratio):
+        return []
+    return [verdict_for(state, finding, cause=None)]
+
+
+def episode_verdict(state: RunState, episode: dict[str, Any]) -> Verdict:
+    """A verdict from an `Episode.to_dict()` record."""
+    data = episode.get("finding") or {}
+    verdict = _verdict(state, data, episode.get("cause"), episode.get("cause_problem"))
+    verdict.details.update(
+        since=episode.get("since"), declared=episode.get("declared"), last_seen=episode.get("last_seen")
+    )
+    return verdict
+
+
+def verdict_for(state: RunState, finding: Finding, cause: dict[str, Any] | None) -> Verdict:
+    return _verdict(state, finding.to_dict(), cause, None)
+
+
+def _verdict(
+    state: RunState, data: dict[str, Any], cause: dict[str, Any] | None, cause_problem: str | None
+) -> Verdict:
+    rank = int(data.get("rank", -1))
+    unit = data.get("unit") or "step"
+    mine = float(data.get("seconds_per_unit") or 0.0)
+    theirs = float(data.get("others_seconds_per_unit") or 0.0)
+    slower = float(data.get("percent_slower") or 0.0)
+    wait_share = float(data.get("others_wait_share") or 0.0)
+    ratio = float(data.get("ratio") or 0.0)
+    summary = (
+        f"straggler: rank {rank} works {mine:.3f} s per {unit} where the median rank works {theirs:.3f} s "
+        f"({ratio:.1f}x, {slower:.0f}% longer); the others spend {100 * wait_share:.0f}% of their time "
+        "waiting for it"
+    )
+    location = None
+    if cause and cause.get("location"):
+        location = cause["location"]
+        func = f" in {cause['function']}()" if cause.get("function") else ""
+        summary += f"; its time goes at {location}{func} ({100 * float(cause.get('share') or 0):.0f}% of its samples)"
+    wait_site = data.get("wait_site")
+    if wait_site:
+        summary += f"; they wait for it at {wait_site}"
+    location = location or wait_site
+    evidence = [
+        f"rank {r}: waits for others {100 * s.get('wait', 0):.0f}% of the time, last to arrive at "
+        f"{100 * s.get('last', 0):.0f}% of {data.get('collectives')} collectives"
+        for r, s in sorted((data.get("shares") or {}).items(), key=lambda kv: int(kv[0]))
+    ]
+    if data.get("period"):
+        evidence.append(f"{data.get('steps')} steps in the window, {float(data['period']):.3f} s per step")
+    if cause_problem:
+        evidence.append(f"no samples of the straggler: {cause_problem}")
+    fault = (
+        next(
+            (f for f in reversed(state.ranks[rank].faults) if str(f.get("fault", "")).startswith("sleep")),
+            None,
+        )
+        if rank in state.ranks
+        else None
+    )
+    if fault:
+        evidence.append(
+            f"injected fault {fault.get('fault')!r} fired on rank {rank} at {fault.get('caller')}"
+        )
+        location = location or fault.get("caller")
+    details = {**data, "threshold": state.straggler_ratio, "cause": cause}
+    return Verdict("straggler", "warning", summary, rank, location, details, evidence)
