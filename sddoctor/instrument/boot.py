@@ -111,6 +111,9 @@ def bootstrap() -> bool:
         print(f"sddoctor: {exc}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(2)
+    from sddoctor.instrument.flight_recorder import drop_deprecated_names
+
+    drop_deprecated_names(os.environ)
     spawn.install()
     if not is_rank_process():
         api.arm_on_init()

@@ -48,6 +48,34 @@ def recorder_environment(run_dir: str | os.PathLike[str], buffer_size: int = 200
     }
 
 
+def drop_deprecated_names(environ: dict[str, str] | os._Environ[str]) -> None:
+    """Rank side, before torch is imported: keep only the buffer-size name the installed torch reads
+    without a deprecation warning (TORCH_FR_BUFFER_SIZE from torch 2.13 on), unless the user set the
+    old name to another value."""
+    if environ.get(TRACE_BUFFER_ENV) is None or environ.get(TRACE_BUFFER_ENV) != environ.get(FR_BUFFER_ENV):
+        return
+    found = _installed_torch_version()
+    if found is not None and found >= (2, 13):
+        del environ[TRACE_BUFFER_ENV]
+
+
+def _installed_torch_version() -> tuple[int, int] | None:
+    """(major, minor) from the name of torch's dist-info folder, without importing torch or scanning
+    every installed distribution (this runs at the start of every process of a job)."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.origin:
+            return None
+        for info in Path(spec.origin).parent.parent.glob("torch-*.dist-info"):
+            major, minor = (int(part) for part in info.name[len("torch-") :].split(".")[:2])
+            return major, minor
+    except (ImportError, ValueError, OSError):
+        return None
+    return None
+
+
 def trigger_dump(pipe_prefix: str | os.PathLike[str], rank: int) -> bool:
     """Ask rank `rank` to dump its recorder by writing to its pipe. Never blocks.
 

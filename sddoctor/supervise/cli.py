@@ -35,6 +35,8 @@ The report (report.json, report.md) and stacks land in the run directory; `sddoc
 prints it again. Details and the report schema: docs/run.md.
 """
 
+#: open run-directory locks (see rundir_lock): referenced so that they stay held
+_HELD_LOCKS: list[Any] = []
 #: `--preflight` found a `fail` and nothing was launched
 EXIT_PREFLIGHT_FAILED = 3
 PREFLIGHT_TIMEOUT = 30.0
@@ -90,6 +92,12 @@ def run_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--run-dir", help="run directory (default: a new folder under ./sddoctor-runs/)")
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="--run-dir holds an earlier run: move its telemetry to RUN_DIR/replaced/<time>/ and use the "
+        "folder (without it such a folder is refused, exit 2)",
+    )
     p.add_argument(
         "--hang-timeout",
         type=_positive,
@@ -155,6 +163,7 @@ def main(argv: list[str]) -> int:
     """`sddoctor run`."""
     from sddoctor.instrument.faults import FAULT_ENV, FaultSpecError, parse_faults
     from sddoctor.supervise import launch
+    from sddoctor.supervise.rundir_lock import RunDirBusy, lock_run_dir
     from sddoctor.supervise.supervisor import EXIT_NOT_FOUND, EXIT_USAGE, Options, Supervisor
 
     parser = run_parser()
@@ -182,9 +191,15 @@ def main(argv: list[str]) -> int:
         return EXIT_NOT_FOUND
     try:
         if args.run_dir:
-            run_dir = RunDir(Path(args.run_dir).resolve()).ensure()
+            run_dir = RunDir(Path(args.run_dir).resolve())
         else:
             run_dir = new_run_dir(Path("sddoctor-runs").resolve())
+        # held for the life of this process (the kernel releases it however the process ends)
+        _HELD_LOCKS.append(lock_run_dir(run_dir.path, replace=args.replace))
+        run_dir.ensure()
+    except RunDirBusy as exc:
+        print(f"sddoctor run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         print(
             f"sddoctor run: cannot create the run directory: {exc}; choose another with --run-dir",

@@ -10,11 +10,12 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import diagnose, rank_exit
+from sddoctor.supervise.diagnose import describe_exit, diagnose, rank_exit
 from sddoctor.supervise.http import StateServer
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
@@ -30,6 +31,8 @@ EXIT_NOT_FOUND = 127
 EXIT_INTERRUPTED = 130
 
 POLL_SECONDS = 1.0
+#: the job's whole stderr, in the run directory
+JOB_LOG = "job.log"
 #: With --peers and --on-hang kill: how long a node that diagnosed a hang waits for the other
 #: nodes to take their own ranks' stacks before it kills its ranks (which takes theirs down too).
 PEER_HANG_GRACE = 10.0
@@ -60,6 +63,7 @@ class Supervisor:
         self.opts = opts
         self.started = time.time()
         self.job = Job(command=opts.command, env=opts.env, run_dir=opts.env["SDDOCTOR_RUN_DIR"])
+        self.job.log_path = opts.run_dir.path / JOB_LOG
         self.watcher = Watcher(
             opts.run_dir,
             hang_timeout=opts.hang_timeout,
@@ -124,9 +128,18 @@ class Supervisor:
             else:
                 self.job.finish()
         code, report = self.finish()
+        if self.job.mute_console.is_set():
+            self._say_how_ranks_ended()
         if self.server is not None:
             self.server.stop()
         return code, report
+
+    def _say_how_ranks_ended(self) -> None:
+        """One line per rank after sddoctor stopped the job (the launcher's own lines are in job.log)."""
+        for rank_id in sorted(self.state.ranks):
+            rank = self.state.ranks[rank_id]
+            how = describe_exit(rank.exit) if rank.exit else ("still running" if rank.alive else "ended")
+            self.say(f"rank {rank_id}" + (f" (pid {rank.pid})" if rank.pid else "") + f": {how}")
 
     def _loop(self) -> None:
         next_poll = 0.0
@@ -153,7 +166,11 @@ class Supervisor:
             return
         self.stopped_by = "interrupt" if signum == signal.SIGINT else signal.Signals(signum).name
         self.stopped_at = time.time()
-        self.say(f"{signal.Signals(signum).name}: stopping the job (again to kill it at once)")
+        self.say(
+            f"{signal.Signals(signum).name}: stopping the job (again to kill it at once); its output from now on "
+            f"goes to {self.job.log_path} only"
+        )
+        self.job.mute_console.set()
         self.job.signal_job(signum)
 
     # -- one watch step ---------------------------------------------------------------------------
@@ -259,7 +276,10 @@ class Supervisor:
         self._publish()  # the peers learn of the hang now, not at the next tick
         if self.opts.on_hang == "kill":
             self._await_peer_stacks()
-            self.say("--on-hang kill: stopping the job")
+            self.say(
+                f"--on-hang kill: stopping the job; its output from now on goes to {self.job.log_path} only"
+            )
+            self.job.mute_console.set()
             self.killed_for_hang = True
             self.stopped_by = "hang"
             self.stopped_at = time.time()
@@ -340,6 +360,7 @@ class Supervisor:
     def finish(self) -> tuple[int, dict[str, Any]]:
         now = time.time()
         self.tick(now)
+        remove_empty_files(self.opts.run_dir.path)
         for rank_id, proc in self.job.ranks.items():
             if proc.exit is not None:
                 self.watcher._rank(rank_id).exit = {**(self.watcher.ranks[rank_id].exit or {}), **proc.exit}
@@ -426,6 +447,31 @@ class Supervisor:
                 except (OSError, ValueError):
                     continue
             time.sleep(POLL_SECONDS)
+
+
+def remove_empty_files(run_dir: Path) -> None:
+    """Empty files sddoctor made (a rank's unused fatal-signal file, an empty job.log) and its empty
+    folders go: what is left there says something. The job's own files are never touched."""
+    for name in ("ranks", "stacks", "procs"):
+        folder = run_dir / name
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            try:
+                if path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+                    path.unlink()
+            except OSError:
+                pass
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            pass
+    try:
+        log = run_dir / JOB_LOG
+        if log.is_file() and log.stat().st_size == 0:
+            log.unlink()
+    except OSError:
+        pass
 
 
 def _merge(first: list[Verdict], rest: list[Verdict]) -> list[Verdict]:
