@@ -72,6 +72,14 @@ def diagnose(state: RunState) -> list[Verdict]:
     return verdicts
 
 
+def merge_verdicts(first: list[Verdict], rest: list[Verdict]) -> list[Verdict]:
+    """Frozen hang verdicts first; a live verdict of the same kind and rank does not repeat them."""
+    seen = {(v.kind, v.culprit_rank) for v in first}
+    return list(first) + [
+        v for v in rest if (v.kind, v.culprit_rank) not in seen and not (first and v.kind.startswith("hang."))
+    ]
+
+
 # -- helpers ----------------------------------------------------------------------------------
 
 

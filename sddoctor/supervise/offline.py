@@ -8,7 +8,8 @@ from typing import Any
 
 import psutil
 
-from sddoctor.supervise.diagnose import diagnose
+from sddoctor.supervise.diagnose import diagnose, merge_verdicts, rank_exit
+from sddoctor.supervise.facts import apply_facts, hang_verdicts, read_facts
 from sddoctor.supervise.report import attach_preflight, build_report
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir
@@ -44,6 +45,25 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
                 }
     watcher.last_progress = last_progress or watcher.last_progress
     state = watcher.state(now)
+    facts = read_facts(run_dir)
+    if facts is not None and "outcome" in facts:
+        # A supervisor watched this run to its end: its facts give the live run's verdict again.
+        apply_facts(state, facts)
+        for rank in state.ranks.values():
+            rank.alive = False
+            rank.exit = rank_exit(rank, state)
+        verdicts = merge_verdicts(hang_verdicts(facts), diagnose(state))
+        report = build_report(
+            state,
+            verdicts,
+            run_info=info,
+            outcome=str(facts["outcome"]),
+            exit_code=facts.get("exit_code"),
+            job_exit_code=(facts.get("job_exit") or {}).get("code"),
+        )
+        report["diagnosed_offline"] = True
+        attach_preflight(report, run_dir)
+        return report
     ended = all(r.exited for r in state.ranks.values()) if state.ranks else True
     if ended:
         state.job_exit = {"code": None, "t": None}

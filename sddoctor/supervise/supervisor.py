@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sys
@@ -15,7 +16,8 @@ from typing import Any, TextIO
 
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import describe_exit, diagnose, rank_exit
+from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts, rank_exit
+from sddoctor.supervise.facts import apply_facts, write_facts
 from sddoctor.supervise.http import StateServer
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
@@ -195,19 +197,11 @@ class Supervisor:
             if proc.exit is not None:
                 rank.exit = {**(rank.exit or {}), **proc.exit}
         state = self.watcher.state(now)
-        if state.world_size is None:
-            state.world_size = self.opts.run_info.get("world_size")
-        state.stacks_problem = self.stacks_problem
-        state.flight_recorder = self.flight_recorder
-        state.unjoined = self.unjoined
-        state.stderr_tail = list(self.job.stderr_tail)
-        state.stopped_by_supervisor = self.stopped_by
-        state.stopped_at = self.stopped_at
-        state.hang_declared_by = self._peer_hang(state)
         declared = self.stragglers.update(state, now)
         if declared is not None:
             self._sample_straggler(declared, state)
-        state.straggler_episodes = self._straggler_records()
+        apply_facts(state, self.facts())
+        state.hang_declared_by = self._peer_hang(state)
         if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != state.last_progress):
             self.hang_handled_at = (state.last_progress,)
             self.on_hang(state)
@@ -219,7 +213,7 @@ class Supervisor:
             for v in self.hang_verdicts:
                 v.details["resolved"] = True  # progress resumed after the stall
         self.state = state
-        self.verdicts = _merge(self.hang_verdicts, verdicts)
+        self.verdicts = merge_verdicts(self.hang_verdicts, verdicts)
         for v in self.verdicts:
             key = (v.kind, v.culprit_rank)
             if key not in self.printed and v.kind != "crash":
@@ -270,9 +264,10 @@ class Supervisor:
         for v in self.hang_verdicts:
             self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
             self.printed.add((v.kind, v.culprit_rank))
+        write_facts(self.opts.run_dir, self.facts())
         self._write(state, outcome="hang", exit_code=None)
         self.handling_hang = True
-        self.state, self.verdicts = state, _merge(self.hang_verdicts, self.verdicts)
+        self.state, self.verdicts = state, merge_verdicts(self.hang_verdicts, self.verdicts)
         self._publish()  # the peers learn of the hang now, not at the next tick
         if self.opts.on_hang == "kill":
             self._await_peer_stacks()
@@ -366,20 +361,12 @@ class Supervisor:
                 self.watcher._rank(rank_id).exit = {**(self.watcher.ranks[rank_id].exit or {}), **proc.exit}
                 self.watcher.ranks[rank_id].alive = False
         state = self.watcher.state(now)
-        state.world_size = state.world_size or self.opts.run_info.get("world_size")
-        state.stderr_tail = list(self.job.stderr_tail)
-        state.launcher_failures = parse_launcher_failures(state.stderr_tail)
+        facts = self.facts(final=True)
+        apply_facts(state, facts)
         for rank in state.ranks.values():
             if rank.exit is not None or any(f.get("rank") == rank.rank for f in state.launcher_failures):
                 rank.exit = rank_exit(rank, state)  # the launcher's word on signals, for the report
-        state.job_exit = {"code": self.job.exit_code, "t": self.job.exit_time}
-        state.stopped_by_supervisor = self.stopped_by
-        state.stopped_at = self.stopped_at
-        state.stacks_problem = self.stacks_problem
-        state.flight_recorder = self.flight_recorder
-        state.unjoined = self.unjoined
-        state.straggler_episodes = self._straggler_records(wait=True)
-        self.verdicts = _merge(self.hang_verdicts, diagnose(state))
+        self.verdicts = merge_verdicts(self.hang_verdicts, diagnose(state))
         self.state = state
         job_code = self.job.exit_code
         if self.killed_for_hang:
@@ -393,12 +380,35 @@ class Supervisor:
             outcome = "ok" if code == 0 else "failed"
             if self.hang_verdicts:
                 outcome = "hang" if code != 0 else "ok"
+        write_facts(self.opts.run_dir, {**facts, "outcome": outcome, "exit_code": code})
         report = self._write(state, outcome=outcome, exit_code=code)
         self._publish()
         return code, report
 
+    def facts(self, final: bool = False) -> dict[str, Any]:
+        """What only this supervisor knows of the run (see `facts`); `final` once the job has ended."""
+        tail = list(self.job.stderr_tail)
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "world_size": self.opts.run_info.get("world_size"),
+            "stacks_problem": self.stacks_problem,
+            "flight_recorder": self.flight_recorder,
+            "unjoined": self.unjoined,
+            "stopped_by": self.stopped_by,
+            "stopped_at": self.stopped_at,
+            "stderr_tail": tail,
+            "straggler_episodes": self._straggler_records(wait=final),
+            "hang_verdicts": [v.to_dict() for v in self.hang_verdicts],
+            "stacks": {str(r): rs.stack for r, rs in self.state.ranks.items() if rs.stack},
+        }
+        if final:
+            out["exits"] = {str(r): dict(p.exit) for r, p in self.job.ranks.items() if p.exit is not None}
+            out["job_exit"] = {"code": self.job.exit_code, "t": self.job.exit_time}
+            out["launcher_failures"] = parse_launcher_failures(tail)
+        return out
+
     def _write(self, state: RunState, *, outcome: str, exit_code: int | None) -> dict[str, Any]:
-        verdicts = _merge(self.hang_verdicts, self.verdicts if exit_code is not None else [])
+        verdicts = merge_verdicts(self.hang_verdicts, self.verdicts if exit_code is not None else [])
         report = build_report(
             state,
             verdicts,
@@ -472,14 +482,6 @@ def remove_empty_files(run_dir: Path) -> None:
             log.unlink()
     except OSError:
         pass
-
-
-def _merge(first: list[Verdict], rest: list[Verdict]) -> list[Verdict]:
-    """Frozen hang verdicts first; a live verdict of the same kind and rank does not repeat them."""
-    seen = {(v.kind, v.culprit_rank) for v in first}
-    return list(first) + [
-        v for v in rest if (v.kind, v.culprit_rank) not in seen and not (first and v.kind.startswith("hang."))
-    ]
 
 
 def _shell_code(code: int | None) -> int:

@@ -1,0 +1,79 @@
+"""What only the supervisor knew of a run, kept in RUN_DIR/supervisor.json.
+
+The rank files say what the ranks did; how the run ended from the outside (who stopped it and when,
+the launcher's exit code and stderr, the stacks taken at a hang, the hang verdicts frozen then, the
+stragglers declared, the workers that never joined) only the supervisor saw. It writes these facts
+when it acts on a hang and at the end, and `apply_facts` puts them into a RunState, live or when
+`sddoctor report --rediagnose` reads the run directory later: both reach the same verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sddoctor.supervise.state import RunState, Verdict
+from sddoctor.telemetry import RunDir, read_json
+from sddoctor.telemetry.layout import atomic_write_text
+
+SUPERVISOR_FILE = "supervisor.json"
+SCHEMA = "sddoctor.supervisor/1"
+
+
+def apply_facts(state: RunState, facts: dict[str, Any]) -> None:
+    """Set the supervisor's side of `state` from `facts` (a `supervisor.json` record)."""
+    state.stacks_problem = facts.get("stacks_problem")
+    state.flight_recorder = facts.get("flight_recorder")
+    state.unjoined = [u for u in facts.get("unjoined") or [] if isinstance(u, dict)]
+    state.stopped_by_supervisor = facts.get("stopped_by")
+    state.stopped_at = facts.get("stopped_at")
+    if isinstance(facts.get("stderr_tail"), list):
+        state.stderr_tail = [str(line) for line in facts["stderr_tail"]]
+    if isinstance(facts.get("launcher_failures"), list):
+        state.launcher_failures = [f for f in facts["launcher_failures"] if isinstance(f, dict)]
+    if isinstance(facts.get("job_exit"), dict):
+        state.job_exit = facts["job_exit"]
+    episodes = facts.get("straggler_episodes")
+    if isinstance(episodes, list):
+        state.straggler_episodes = [e for e in episodes if isinstance(e, dict)]
+    if not state.world_size and isinstance(facts.get("world_size"), int):
+        state.world_size = facts["world_size"]
+    for key, exit_info in (facts.get("exits") or {}).items():
+        rank = state.ranks.get(int(key)) if str(key).isdigit() else None
+        if rank is not None and isinstance(exit_info, dict):
+            rank.exit = {**(rank.exit or {}), **exit_info}
+            rank.alive = False
+    for key, stack in (facts.get("stacks") or {}).items():
+        rank = state.ranks.get(int(key)) if str(key).isdigit() else None
+        if rank is not None and isinstance(stack, dict) and rank.stack is None:
+            rank.stack = stack
+
+
+def hang_verdicts(facts: dict[str, Any]) -> list[Verdict]:
+    """The hang verdicts the supervisor froze when it acted on a hang."""
+    out = []
+    for data in facts.get("hang_verdicts") or []:
+        if isinstance(data, dict) and isinstance(data.get("kind"), str):
+            out.append(
+                Verdict(
+                    kind=data["kind"],
+                    severity=str(data.get("severity", "error")),
+                    summary=str(data.get("summary", "")),
+                    culprit_rank=data.get("culprit_rank"),
+                    location=data.get("location"),
+                    details=dict(data.get("details") or {}),
+                    evidence=list(data.get("evidence") or []),
+                )
+            )
+    return out
+
+
+def read_facts(run_dir: RunDir) -> dict[str, Any] | None:
+    data = read_json(run_dir.path / SUPERVISOR_FILE)
+    return data if isinstance(data, dict) else None
+
+
+def write_facts(run_dir: RunDir, facts: dict[str, Any]) -> None:
+    atomic_write_text(
+        run_dir.path / SUPERVISOR_FILE, json.dumps({"schema": SCHEMA, **facts}, indent=1, default=str)
+    )
