@@ -6,9 +6,13 @@ from typing import Any
 
 import pytest
 
+import sddoctor.instrument.api
 from sddoctor.supervise.diagnose import diagnose, last_traceback
-from sddoctor.supervise.state import Arrival, RankState, RunState
+from sddoctor.supervise.state import RankState, RunState
 from sddoctor.supervise.watch import parse_launcher_failures
+
+#: a frame of sddoctor's own code, where it is really installed (never the user's line)
+SDDOCTOR_API = sddoctor.instrument.api.__file__
 
 NOW = 1000.0
 
@@ -243,7 +247,7 @@ CRASH_CASES = [
                     "traceback": [
                         "/u/train.py:40 in <module>",
                         "/u/train.py:12 in step",
-                        "/x/sddoctor/api.py:3 in f",
+                        f"{SDDOCTOR_API}:3 in f",
                     ],
                 },
             ),
@@ -363,41 +367,6 @@ def test_fatal_oom_replaces_the_crash_of_that_rank() -> None:
     assert [(v.kind, v.culprit_rank) for v in diagnose(state)] == [("oom", 1)]
 
 
-# -- stragglers -------------------------------------------------------------------------------
-
-
-def timed(r: int, compute: float, inside: float, n: int = 12) -> RankState:
-    """A rank whose collectives arrive every compute+inside seconds and take `inside` seconds."""
-    period = compute + inside
-    arrivals = {seq: Arrival(enqueue=NOW - 30 + seq * period + compute, duration=inside) for seq in range(n)}
-    return RankState(rank=r, state={"t": NOW}, alive=True, arrivals={"0": arrivals})
-
-
-@pytest.mark.parametrize(
-    ("ranks", "culprit"),
-    [
-        pytest.param(
-            [timed(0, 0.01, 0.50), timed(1, 0.50, 0.01), timed(2, 0.01, 0.50)], 1, id="sleepy-rank-1"
-        ),
-        pytest.param([timed(0, 0.30, 0.01), timed(1, 0.30, 0.01)], None, id="balanced"),
-        pytest.param(
-            [timed(0, 0.002, 0.001), timed(1, 0.006, 0.001)], None, id="tiny-noise-is-not-a-straggler"
-        ),
-        pytest.param([timed(0, 0.2, 0.15), timed(1, 0.35, 0.01)], None, id="below-ratio"),
-    ],
-)
-def test_straggler(ranks: list[RankState], culprit: int | None) -> None:
-    state = RunState(
-        now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW, straggler_ratio=2.0
-    )
-    found = [v for v in diagnose(state) if v.kind == "straggler"]
-    if culprit is None:
-        assert found == []
-    else:
-        assert [v.culprit_rank for v in found] == [culprit]
-        assert found[0].details["ratio"] >= 2.0
-
-
 # -- parsing ----------------------------------------------------------------------------------
 
 TORCHRUN_TAIL = """\
@@ -451,64 +420,6 @@ def test_fresh_oom_waits_for_the_fallback_while_the_rank_lives() -> None:
     assert diagnose(state) == []
     state.now = 30.0  # no fallback 15 s later: the step did not recover
     assert [(v.kind, v.culprit_rank) for v in diagnose(state)] == [("oom", 1)]
-
-
-def test_straggler_location_is_where_the_others_wait_not_the_busiest_call_site() -> None:
-    """Per step: one collective right after the slow part ("a.py:1") and three cheap ones after it
-    ("b.py:2", the most frequent call site); rank 1 is slow before a.py:1 only."""
-
-    def stepping(r: int, slow: float) -> RankState:
-        arrivals, t, seq = {}, NOW - 30.0, 0
-        for _ in range(12):
-            t += 0.05 + slow
-            arrivals[seq] = Arrival(enqueue=t, caller="a.py:1", duration=0.01)
-            seq += 1
-            for _ in range(3):
-                t += 0.02
-                arrivals[seq] = Arrival(enqueue=t, caller="b.py:2", duration=0.01)
-                seq += 1
-        return RankState(rank=r, state={"t": NOW}, alive=True, arrivals={"0": arrivals})
-
-    # Under DDP the fast rank waits inside a.py:1, so its period matches the slow rank's: model its
-    # arrivals at a.py:1 as the slow part's length earlier than rank 1's, with the wait inside it.
-    fast, slow = stepping(0, 0.0), stepping(1, 0.6)
-    for seq, a in fast.arrivals["0"].items():
-        b = slow.arrivals["0"][seq]
-        if a.caller == "a.py:1":
-            a.enqueue, a.duration = b.enqueue - 0.6, 0.61
-        else:
-            a.enqueue = b.enqueue
-    state = RunState(now=NOW, started=0.0, ranks={0: fast, 1: slow}, last_progress=NOW, straggler_ratio=2.0)
-    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
-    assert (v.culprit_rank, v.location) == (1, "a.py:1")
-
-
-def ddp_rank(r: int, wait_per_step: float, period: float = 0.5, n: int = 10) -> RankState:
-    """A DDP rank with only comm-hook counters: one step per `period`, `wait_per_step` inside buckets."""
-    samples = [(NOW - 20 + i * period, 4.0 * i, wait_per_step * i, float(i)) for i in range(n)]
-    return RankState(rank=r, state={"t": NOW}, alive=True, ddp_samples=samples)
-
-
-def test_ddp_straggler_from_comm_hook_counters() -> None:
-    ranks = [ddp_rank(0, 0.40), ddp_rank(1, 0.02), ddp_rank(2, 0.41)]
-    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW)
-    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
-    assert v.culprit_rank == 1
-    balanced = [ddp_rank(0, 0.02), ddp_rank(1, 0.03)]
-    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in balanced}, last_progress=NOW)
-    assert [v for v in diagnose(state) if v.kind == "straggler"] == []
-
-
-def totals_rank(r: int, inside: float, period: float = 0.3, n: int = 8) -> RankState:
-    samples = [(NOW - 10 + i, i / period, i / period * inside) for i in range(n)]  # one sample a second
-    return RankState(rank=r, state={"t": NOW}, alive=True, totals_samples=samples)
-
-
-def test_straggler_from_tracer_totals() -> None:
-    ranks = [totals_rank(0, 0.25), totals_rank(1, 0.01)]
-    state = RunState(now=NOW, started=0.0, ranks={r.rank: r for r in ranks}, last_progress=NOW)
-    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
-    assert v.culprit_rank == 1 and v.details["timings"]["0"]["inside"] == pytest.approx(0.25)
 
 
 # -- replicas ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ when the call is made, so this holds on gloo and on NCCL, for blocking and async
 collectives (DDP's gradient buckets) alike.
 
 A straggler is persistent, not a blip: within the window (60 s) it must be the last to arrive at
-most collectives (`LAST_SHARE`), its busy time must be `straggler_ratio` times the median other
+most collectives that one rank reached clearly last (`LAST_SHARE`; ties decide nothing), its busy time must be `straggler_ratio` times the median other
 rank's, the others must spend a real share of their time waiting for it, over enough collectives
 and steps; and `StragglerTracker` declares it only once that has held for `CONFIRM_SECONDS` and
 `CONFIRM_STEPS` more steps. The first steps, a compile, a checkpoint save on one rank or work all
@@ -31,6 +31,7 @@ from sddoctor.supervise.state import RankState, RunState, Verdict
 
 WINDOW = 60.0
 MIN_COLLECTIVES = 10
+MIN_DECIDED = 5
 MIN_STEPS = 5
 LAST_SHARE = 0.6
 MIN_OTHERS_WAIT_SHARE = 0.1
@@ -50,6 +51,7 @@ class Finding:
     others_wait_share: float
     last_share: float
     collectives: int
+    decided: int  # collectives at which one rank arrived clearly last (not a tie)
     steps: int  # steps finished in the window (0: the program reports none)
     period: float | None  # seconds per step, if steps are known
     per_collective: float  # seconds per collective (span / collectives)
@@ -78,6 +80,7 @@ class Finding:
         """Whether the window shows a persistent straggler at `ratio` (see the module docstring)."""
         return (
             self.collectives >= MIN_COLLECTIVES
+            and self.decided >= MIN_DECIDED
             and (self.steps == 0 or self.steps >= MIN_STEPS)
             and self.last_share >= LAST_SHARE
             and self.ratio >= ratio
@@ -98,6 +101,7 @@ class Finding:
             "percent_slower": round(100.0 * (self.ratio - 1.0), 1),
             "period": round(self.period, 4) if self.period else None,
             "collectives": self.collectives,
+            "decided": self.decided,
             "steps": self.steps,
             "wait_site": self.wait_site,
             "window": [round(self.since, 3), round(self.until, 3)],
@@ -122,12 +126,13 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
     span = end - start
     if span <= 0:
         return None
+    lasts = [r for t in rounds if (r := _last_arrival(t)) is not None]  # ties decide nothing
     shares: dict[int, dict[str, float]] = {}
     for rank in live:
         intervals = [(t[rank.rank], max(t.values())) for t in rounds]
-        last = sum(1 for t in rounds if max(t, key=lambda r: (t[r], r)) == rank.rank)
+        last = sum(1 for r in lasts if r == rank.rank)
         wait = _union_length(intervals) / span
-        shares[rank.rank] = {"wait": wait, "busy": max(0.0, 1.0 - wait), "last": last / len(rounds)}
+        shares[rank.rank] = {"wait": wait, "busy": max(0.0, 1.0 - wait), "last": last / max(1, len(lasts))}
     slow = max(shares, key=lambda r: (shares[r]["busy"], shares[r]["last"]))
     others = [s for r, s in shares.items() if r != slow]
     others_busy = median(s["busy"] for s in others)
@@ -140,6 +145,7 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
         others_wait_share=median(s["wait"] for s in others),
         last_share=shares[slow]["last"],
         collectives=len(rounds),
+        decided=len(lasts),
         steps=steps,
         period=period,
         per_collective=span / len(rounds),
@@ -161,6 +167,14 @@ def _common_collectives(live: list[RankState], since: float) -> list[dict[int, f
             if min(times.values()) >= since:
                 rounds.append(times)
     return rounds
+
+
+def _last_arrival(times: dict[int, float], tie: float = 0.001) -> int | None:
+    """The rank that arrived last, if it did by more than `tie` seconds (else nobody)."""
+    order = sorted(times, key=lambda r: times[r])
+    if len(order) < 2 or times[order[-1]] - times[order[-2]] <= tie:
+        return None
+    return order[-1]
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -329,8 +343,9 @@ def _verdict(
         summary += f"; they wait for it at {wait_site}"
     location = location or wait_site
     evidence = [
-        f"rank {r}: waits for others {100 * s.get('wait', 0):.0f}% of the time, last to arrive at "
-        f"{100 * s.get('last', 0):.0f}% of {data.get('collectives')} collectives"
+        f"rank {r}: waits for others {100 * s.get('wait', 0):.0f}% of the time; it arrived last at "
+        f"{100 * s.get('last', 0):.0f}% of the {data.get('decided')} collectives (of {data.get('collectives')}) "
+        "that one rank reached clearly last"
         for r, s in sorted((data.get("shares") or {}).items(), key=lambda kv: int(kv[0]))
     ]
     if data.get("period"):

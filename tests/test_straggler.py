@@ -1,0 +1,153 @@
+"""Straggler arithmetic (sddoctor.supervise.straggler) on arrivals modelled as DDP makes them: every
+collective starts on all ranks once the last one arrived, so the fast ranks wait and every rank has
+the same period. The end-to-end runs (real ranks, injected sleeps) are in tests/test_real_clients.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from sddoctor.supervise.diagnose import diagnose
+from sddoctor.supervise.state import Arrival, RankState, RunState
+from sddoctor.supervise.straggler import StragglerTracker, analyse
+
+NOW = 10_000.0
+
+
+def synced(computes: list[float], n: int = 30, inside: float = 0.001, late: dict[int, tuple[int, float]] | None = None,
+           steps: bool = True) -> dict[int, RankState]:  # fmt: skip
+    """Ranks that each compute `computes[r]` seconds, then meet in one collective (a step each).
+    `late={k: (rank, seconds)}` makes one rank late by that much at collective k only."""
+    ranks = {r: RankState(rank=r, state={"t": NOW}, alive=True) for r in range(len(computes))}
+    t = NOW - 50.0
+    for k in range(n):
+        arrive = {r: t + c for r, c in enumerate(computes)}
+        if late and k in late:
+            arrive[late[k][0]] += late[k][1]
+        done = max(arrive.values()) + inside
+        for r, rank in ranks.items():
+            rank.arrivals.setdefault("0", {})[k + 1] = Arrival(
+                enqueue=arrive[r], caller="train.py:9", duration=done - arrive[r]
+            )
+            if steps:
+                rank.steps.append((done, k + 1, None, 8.0))
+                rank.step_count += 1
+        t = done
+    return ranks
+
+
+def state_of(ranks: dict[int, RankState], ratio: float = 2.0) -> RunState:
+    return RunState(now=NOW, started=0.0, ranks=ranks, last_progress=NOW, straggler_ratio=ratio)
+
+
+def stragglers(state: RunState) -> list[int | None]:
+    return [v.culprit_rank for v in diagnose(state) if v.kind == "straggler"]
+
+
+@pytest.mark.parametrize(
+    ("computes", "culprit"),
+    [
+        pytest.param([0.01, 0.50, 0.01], 1, id="sleepy-rank-1-of-3"),
+        pytest.param([0.30, 0.30], None, id="balanced"),
+        pytest.param([0.002, 0.006], None, id="tiny-noise-is-not-a-straggler"),
+        pytest.param([0.20, 0.35], None, id="below-ratio"),
+        pytest.param([0.05, 0.05, 0.05, 0.40], 3, id="last-of-4"),
+    ],
+)
+def test_who_is_a_straggler(computes: list[float], culprit: int | None) -> None:
+    found = stragglers(state_of(synced(computes)))
+    assert found == ([] if culprit is None else [culprit])
+
+
+def test_figures_per_step() -> None:
+    finding = analyse(state_of(synced([0.01, 0.31])))
+    assert finding is not None and finding.rank == 1
+    assert finding.unit == "step" and finding.period == pytest.approx(0.311, abs=0.002)
+    assert finding.seconds_per_unit == pytest.approx(0.31, abs=0.01)
+    assert finding.others_seconds_per_unit == pytest.approx(0.01, abs=0.005)
+    assert finding.others_wait_share == pytest.approx(0.3 / 0.311, abs=0.02)
+    assert finding.last_share == 1.0
+
+
+def test_one_late_arrival_is_not_a_straggler() -> None:
+    """A compile or a checkpoint save: rank 1 is 20 s late once, then every rank is as fast again."""
+    ranks = synced([0.05, 0.05], n=40, late={5: (1, 20.0)})
+    assert stragglers(state_of(ranks)) == []
+
+
+def test_ranks_taking_turns_are_not_stragglers() -> None:
+    ranks = synced([0.05, 0.05], n=40)
+    for k in range(1, 41):  # whoever is last changes every collective, by 0.1 s
+        ranks[k % 2].arrivals["0"][k].enqueue += 0.1
+    assert stragglers(state_of(ranks)) == []
+
+
+def test_without_steps_the_unit_is_a_collective() -> None:
+    finding = analyse(state_of(synced([0.01, 0.4], steps=False)))
+    assert finding is not None and finding.rank == 1 and finding.unit == "collective"
+    assert stragglers(state_of(synced([0.01, 0.4], steps=False))) == [1]
+
+
+def test_the_tracker_declares_only_what_persists() -> None:
+    tracker = StragglerTracker(confirm_seconds=10.0, confirm_steps=5)
+    ranks = synced([0.01, 0.5], n=30)
+    state = state_of(ranks)
+    assert tracker.update(state, now=NOW) is None  # first seen
+    assert tracker.update(state, now=NOW + 5) is None  # not long enough yet
+    for k in range(31, 37):  # six more steps
+        for rank in ranks.values():
+            rank.steps.append((NOW + k, k, None, 8.0))
+            rank.step_count += 1
+    episode = tracker.update(state, now=NOW + 11)
+    assert episode is not None and episode.rank == 1
+    episode.cause = {"location": "train.py:4", "function": "load", "share": 0.9, "samples": 100}
+    episode.ready = True
+    state.straggler_episodes = [e.to_dict() for e in tracker.episodes.values()]
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert (v.culprit_rank, v.location) == (1, "train.py:4")
+    assert "train.py:4 in load()" in v.summary and "they wait for it at train.py:9" in v.summary
+
+
+def test_the_tracker_forgets_a_candidate_that_stops() -> None:
+    tracker = StragglerTracker(confirm_seconds=1.0, confirm_steps=0)
+    slow = state_of(synced([0.01, 0.5]))
+    assert tracker.update(slow, now=NOW) is None
+    assert tracker.update(state_of(synced([0.05, 0.05])), now=NOW + 5) is None  # it went away
+    assert tracker.update(slow, now=NOW + 6) is None  # seen again: the clock starts over
+    assert tracker.episodes == {}
+
+
+def test_a_supervisors_episodes_replace_the_window() -> None:
+    """With a tracker (live, or its record in supervisor.json) an empty list means no straggler."""
+    state = state_of(synced([0.01, 0.5]))
+    state.straggler_episodes = []
+    assert stragglers(state) == []
+
+
+def test_straggler_location_is_where_the_others_wait_not_the_busiest_call_site() -> None:
+    """Per step: one collective right after the slow part ("a.py:1") and three cheap ones after it
+    ("b.py:2", the most frequent call site); rank 1 is slow before a.py:1 only."""
+
+    def stepping(r: int, slow: float) -> RankState:
+        arrivals, t, seq = {}, NOW - 30.0, 0
+        for _ in range(12):
+            t += 0.05 + slow
+            arrivals[seq] = Arrival(enqueue=t, caller="a.py:1", duration=0.01)
+            seq += 1
+            for _ in range(3):
+                t += 0.02
+                arrivals[seq] = Arrival(enqueue=t, caller="b.py:2", duration=0.01)
+                seq += 1
+        return RankState(rank=r, state={"t": NOW}, alive=True, arrivals={"0": arrivals})
+
+    # Under DDP the fast rank waits inside a.py:1, so its period matches the slow rank's: model its
+    # arrivals at a.py:1 as the slow part's length earlier than rank 1's, with the wait inside it.
+    fast, slow = stepping(0, 0.0), stepping(1, 0.6)
+    for seq, a in fast.arrivals["0"].items():
+        b = slow.arrivals["0"][seq]
+        if a.caller == "a.py:1":
+            a.enqueue, a.duration = b.enqueue - 0.6, 0.61
+        else:
+            a.enqueue = b.enqueue
+    state = RunState(now=NOW, started=0.0, ranks={0: fast, 1: slow}, last_progress=NOW, straggler_ratio=2.0)
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert (v.culprit_rank, v.location) == (1, "a.py:1")
