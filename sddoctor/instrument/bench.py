@@ -2,6 +2,7 @@
 
     python -m sddoctor.instrument.bench                 # 2-rank gloo DDP on CPU (+ 1-GPU NCCL if CUDA)
     python -m sddoctor.instrument.bench --micro         # cost of one traced call, in microseconds
+    python -m sddoctor.instrument.bench --unchanged     # an unchanged DDP program: comm hook + steps inferred
     python -m sddoctor.instrument.bench --json          # machine-readable
 
 The training benchmark alternates blocks of steps (on, off, off, on, ...) with the instrumentation on (a rank
@@ -113,6 +114,11 @@ def _gloo_rank(rank: int, world: int, port: int, blocks: int, steps: int, run_di
 
 
 def bench_gloo(blocks: int, steps: int) -> dict[str, Any]:
+    return _result("gloo, 2 ranks, CPU MLP DDP", _run_gloo(_gloo_rank, blocks, steps))
+
+
+def _run_gloo(target: Any, blocks: int, steps: int) -> dict[str, list[float]]:
+    """Run `target(rank, world, port, blocks, steps, run_dir, queue)` on 2 gloo ranks; rank 0's times."""
     import multiprocessing as mp
 
     from sddoctor.instrument.tracing import uninstall  # noqa: F401  (import check before spawning)
@@ -122,7 +128,7 @@ def bench_gloo(blocks: int, steps: int) -> dict[str, Any]:
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
         procs = [
-            ctx.Process(target=_gloo_rank, args=(r, 2, port, blocks, steps, run_dir, queue)) for r in range(2)
+            ctx.Process(target=target, args=(r, 2, port, blocks, steps, run_dir, queue)) for r in range(2)
         ]
         for p in procs:
             p.start()
@@ -134,7 +140,82 @@ def bench_gloo(blocks: int, steps: int) -> dict[str, Any]:
                 if p.is_alive():
                     p.kill()
                     p.join()
-    return _result("gloo, 2 ranks, CPU MLP DDP", times)
+    return times
+
+
+def _unchanged_rank(
+    rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any
+) -> None:
+    """An unchanged DDP program under a rank session: one DDP model built before the session (DDP's
+    own comm hook, nothing inferred: "off") and a copy built with it (sddoctor's comm hook and step
+    inference: "on"), trained in alternating blocks; the session (tracing, heartbeat) is on for
+    both, so the difference is what an unchanged program gets on top: the hook and the inference."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def mlp() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+            torch.nn.Linear(512, 64),
+        )  # fmt: skip
+
+    plain = torch.nn.parallel.DistributedDataParallel(mlp())
+    _session_on(Path(run_dir), rank, world)
+    inferred = torch.nn.parallel.DistributedDataParallel(mlp())
+    x, y = torch.randn(32, 256), torch.randn(32, 64)
+    models = {"off": plain, "on": inferred}
+    optims = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    times: dict[str, list[float]] = {"on": [], "off": [], "cpu_on": [], "cpu_off": [], "pairs": []}
+
+    def one_step(mode: str) -> tuple[float, float]:
+        c0, t0 = time.process_time(), time.perf_counter()
+        optims[mode].zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(models[mode](x), y)
+        loss.backward()
+        optims[mode].step()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)  # what a script logs
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    for mode in ("on", "off", "on", "off", "on", "off"):  # warm-up: DDP rebuilds its buckets
+        one_step(mode)
+    for block in range(blocks):
+        mode = "on" if block % 4 in (0, 3) else "off"
+        dist.barrier()
+        for _ in range(steps):
+            wall, cpu = one_step(mode)
+            times[mode].append(wall)
+            times["cpu_" + mode].append(cpu)
+        if block % 2 == 1:
+            times["pairs"].append(
+                statistics.median(times["on"][-steps:]) / statistics.median(times["off"][-steps:])
+            )
+    from sddoctor.instrument import api
+
+    session = api.active()
+    inferred_steps = session.inference.step if session is not None and session.inference is not None else 0
+    if rank == 0:
+        out.put({**times, "inferred": [float(inferred_steps)]})
+    _session_off()
+    models.clear()  # free the DDP models before the process group (gloo teardown)
+    optims.clear()
+    del plain, inferred
+    dist.destroy_process_group()
+
+
+def bench_gloo_unchanged(blocks: int, steps: int) -> dict[str, Any]:
+    times = _run_gloo(_unchanged_rank, blocks, steps)
+    result = _result(
+        "gloo, 2 ranks, CPU MLP DDP, unchanged program: comm hook + inferred steps vs plain", times
+    )
+    result["inferred_steps"] = int(times["inferred"][0])
+    result["on_steps_expected"] = len(times["on"]) + 3  # and the warm-up steps
+    return result
 
 
 def bench_nccl(blocks: int, steps: int) -> dict[str, Any]:
@@ -245,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--micro", action="store_true", help="only the per-call cost of the tracing wrapper")
+    parser.add_argument(
+        "--unchanged",
+        action="store_true",
+        help="only an unchanged DDP program: sddoctor's comm hook and step inference on vs off",
+    )
     parser.add_argument("--calls", type=int, default=20000, help="calls per round of --micro (default 20000)")
     parser.add_argument("--blocks", type=int, default=10, help="alternating on/off blocks (default 10)")
     parser.add_argument("--steps", type=int, default=20, help="steps per block (default 20)")
@@ -257,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.micro:
             results.append(microbench(calls=args.calls))
+        elif args.unchanged:
+            results.append(bench_gloo_unchanged(args.blocks, args.steps))
         else:
             results.append(bench_gloo(args.blocks, args.steps))
             if not args.no_cuda:
@@ -277,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"-> ratio {r['ratio_on_off']} ({r['overhead_pct']:+.2f}%); median of paired block ratios "
                     f"{r['paired_ratio_on_off']}; process CPU time ratio "
                     f"{r['cpu_ratio_on_off']}; {r['steps_on']}+{r['steps_off']} steps"
+                    + (f"; {r['inferred_steps']} steps inferred" if "inferred_steps" in r else "")
                 )
             else:
                 print(

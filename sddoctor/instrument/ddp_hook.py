@@ -207,12 +207,19 @@ def install_on_first_forward(ddp_model: torch.nn.parallel.DistributedDataParalle
     def _first_forward(module: torch.nn.Module, args: Any) -> None:
         try:
             handle.remove()
-            if installed_state(module) is None and not module.__dict__.get(_CLAIMED_ATTR, False):
-                install(module)  # type: ignore[arg-type]
+            install_unless_claimed(module)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - the model runs without sddoctor's hook then
             internal_error("ddp comm hook install", exc)
 
     handle = ddp_model.register_forward_pre_hook(_first_forward)
+
+
+def install_unless_claimed(ddp_model: torch.nn.parallel.DistributedDataParallel) -> CommHookState | None:
+    """The installed state; installs the hook now unless the model carries another comm hook."""
+    installed = installed_state(ddp_model)
+    if installed is not None or ddp_model.__dict__.get(_CLAIMED_ATTR, False):
+        return installed
+    return install(ddp_model)
 
 
 def stats() -> dict[str, Any]:

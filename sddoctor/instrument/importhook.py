@@ -34,7 +34,9 @@ def _run(callback: Callable[[ModuleType], None], module: ModuleType) -> None:
     try:
         callback(module)
     except Exception as exc:  # noqa: BLE001 - instrumentation must never break the user's import
-        print(f"sddoctor: instrumentation of {module.__name__} failed: {exc!r}", file=sys.stderr)
+        from sddoctor.instrument.safety import internal_error
+
+        internal_error(f"instrumentation of {module.__name__}", exc)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -43,6 +45,15 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname not in _callbacks:
             return None
+        try:
+            return self._wrapped_spec(fullname, path, target)
+        except Exception as exc:  # noqa: BLE001 - the import goes on through the other finders
+            from sddoctor.instrument.safety import internal_error
+
+            internal_error(f"import hook for {fullname}", exc)
+            return None
+
+    def _wrapped_spec(self, fullname: str, path: Any, target: Any) -> Any:
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue

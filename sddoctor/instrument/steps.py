@@ -84,8 +84,8 @@ class StepInference:
                 self._primary = model_ref  # the first DDP model that trains is the one counted
             elif self._primary is not model_ref:
                 return
-            self._watch_backward(model, model_ref)
-            if self._sync_pending and not _has_our_hook(model):
+            hooked = self._watch_backward(model, model_ref)
+            if self._sync_pending and not hooked:
                 self._end_step(time.time())  # forward-only mode: the previous step is over
             if self._ended:
                 self._ended = False
@@ -97,7 +97,7 @@ class StepInference:
             else:
                 self._samples += size
             self._micro_batches += 1
-            if getattr(model, "require_backward_grad_sync", True) and not _has_our_hook(model):
+            if getattr(model, "require_backward_grad_sync", True) and not hooked:
                 self._sync_pending = True
         except Exception as exc:  # noqa: BLE001
             from sddoctor.instrument.safety import is_injected
@@ -106,12 +106,17 @@ class StepInference:
                 raise
             internal_error("step inference (forward)", exc)
 
-    def _watch_backward(self, model: Any, model_ref: weakref.ReferenceType[Any]) -> None:
+    def _watch_backward(self, model: Any, model_ref: weakref.ReferenceType[Any]) -> bool:
+        """Have sddoctor's comm hook tell when a synchronised backward ends. False when the model
+        carries another comm hook (steps then end at the next training forward)."""
         from sddoctor.instrument import ddp_hook
 
-        state = ddp_hook.installed_state(model)
-        if state is not None and state.on_synced_backward is None:
+        state = ddp_hook.installed_state(model) or ddp_hook.install_unless_claimed(model)
+        if state is None:
+            return False
+        if state.on_synced_backward is None:
             state.on_synced_backward = lambda: self._on_synced_backward(model_ref)
+        return True
 
     def _on_synced_backward(self, model_ref: weakref.ReferenceType[Any]) -> None:
         if not self.enabled:
@@ -143,9 +148,3 @@ class StepInference:
     def stop(self) -> None:
         """An explicit step took over."""
         self.enabled = False
-
-
-def _has_our_hook(model: Any) -> bool:
-    from sddoctor.instrument import ddp_hook
-
-    return ddp_hook.installed_state(model) is not None

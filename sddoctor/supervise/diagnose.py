@@ -153,14 +153,17 @@ def _where(rank: RankState) -> tuple[str | None, str]:
 
 
 def _death_time(rank: RankState) -> float:
-    for candidate in (
-        (rank.exit or {}).get("t"),
-        (rank.exception or {}).get("t"),
-        rank.state.get("t"),
-    ):
-        if isinstance(candidate, (int, float)):
-            return float(candidate)
-    return float("inf")
+    """When the rank stopped: its uncaught exception or its exit, whichever came first (a rank can
+    linger after its exception, in the process group's teardown), else its last snapshot."""
+    known = [
+        float(t)
+        for t in ((rank.exit or {}).get("t"), (rank.exception or {}).get("t"))
+        if isinstance(t, (int, float))
+    ]
+    if known:
+        return min(known)
+    last = rank.state.get("t")
+    return float(last) if isinstance(last, (int, float)) else float("inf")
 
 
 def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
@@ -181,6 +184,16 @@ def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
                     merged["code"] = code
                 merged["source"] = "launcher"
             exit_info = merged
+    if (
+        exit_info
+        and exit_info.get("source") == "process watch"
+        and exit_info.get("code") is None
+        and not exit_info.get("signal")
+        and exit_info.get("status") is None
+    ):
+        # Seen gone, by no wait status (not sddoctor's child: an mp.spawn worker) and without an exit
+        # event of its own: it was killed hard (SIGKILL, the OOM killer).
+        exit_info = {**exit_info, "unclean": True}
     return exit_info
 
 
