@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sddoctor.instrument.faults import Fault, faults_from_env
+from sddoctor.telemetry.environment import comm_env
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
@@ -312,6 +313,7 @@ def enable(
         local_rank=local_rank,
         world_size=world_size,
         argv=list(sys.argv),
+        comm_env=comm_env(os.environ),
         **start_fields,
     )
     if trace:

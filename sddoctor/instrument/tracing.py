@@ -99,6 +99,8 @@ _NAMESPACE_ONLY = {"isend", "irecv"}
 _QUIET = ("init_process_group", "new_group", "new_subgroups", "destroy_process_group")
 
 _MAX_PENDING = 4096  # per group: bounds memory if completion is never observed
+#: completed calls kept for the timeline until the heartbeat drains them (about once a second)
+RECENT_MAX = 4096
 _MAX_LISTED = 8  # tensors of one call whose shapes are recorded
 
 _tls = threading.local()
@@ -204,6 +206,8 @@ class Tracer:
         self._coalescing: dict[Any, Any] = {}
         self._fired: set[str] = set()
         self._hold_next = False  # a skip fault fired: the next collective never gets issued
+        #: completed calls not yet written to the timeline file (see sddoctor.instrument.timeline)
+        self.recent: collections.deque[_Rec] = collections.deque(maxlen=RECENT_MAX)
         self.set_faults(faults or [])
 
     def set_faults(self, faults: list[Fault]) -> None:
@@ -321,6 +325,22 @@ class Tracer:
             stats = self.op_stats[rec.op] = [0, 0.0]
         stats[0] += 1
         stats[1] += t1 - rec.t0
+        self.recent.append(rec)
+
+    def take_recent(self) -> list[_Rec]:
+        """Remove and return the completed calls buffered for the timeline, oldest first."""
+        out = []
+        recent = self.recent
+        while recent:
+            try:
+                out.append(recent.popleft())
+            except IndexError:  # drained by another thread meanwhile
+                break
+        return out
+
+    def completed(self) -> int:
+        """Completed traced calls since the start (all groups)."""
+        return int(sum(v[0] for v in list(self.op_stats.values())))
 
     def _new_group(self, group: Any) -> _Group:
         c10d = self._c10d

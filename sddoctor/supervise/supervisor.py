@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from sddoctor.supervise import flightrec, stacks
 from sddoctor.supervise.diagnose import diagnose, rank_exit
+from sddoctor.supervise.gpulog import GpuLog
 from sddoctor.supervise.http import StateServer
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
@@ -103,6 +104,7 @@ class Supervisor:
         self.say(f"run dir: {self.opts.run_dir.path}")
         restore = install_forwarding(self.job, self.signals.append)
         peer_thread = None
+        gpu_log = GpuLog(self.opts.run_dir).start()  # RUN_DIR/gpus.jsonl for report.html's GPU plots
         try:
             self.job.start()
             if self.opts.peers:
@@ -110,6 +112,7 @@ class Supervisor:
                 peer_thread.start()
             self._loop()
         finally:
+            gpu_log.stop()
             restore()
             # Nothing of the job survives sddoctor, whatever happened.
             if not self.job.wait_gone(2.0):
