@@ -2,6 +2,8 @@
 
 Environment: STEPS (default 20), PAUSE seconds of "compute" per step (default 0.05),
 SIZE elements per all_reduce (default 8), DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall).
+REPORT_STEPS=1: report each step with `sdi.step` (loss, samples, step time), as an instrumented
+training loop does; without it the script uses no sddoctor API at all.
 """
 
 import os
@@ -34,12 +36,18 @@ if stall_rank is not None:
     loader = torch.utils.data.DataLoader(Items(str(rank) == stall_rank), batch_size=None, num_workers=1)
     batches = iter(loader)
 x = torch.ones(int(os.environ.get("SIZE", "8")))
-for _ in range(steps):
+sdi = None
+if os.environ.get("REPORT_STEPS") == "1":
+    from sddoctor.instrument import api as sdi
+for step in range(steps):
+    started = time.time()
     time.sleep(pause)
     if batches is not None:
         x = next(batches)  # DATA
     y = x * (rank + 1)
     dist.all_reduce(y)  # COLLECTIVE
+    if sdi is not None:
+        sdi.step(step + 1, loss=1.0 / (step + 1) + 0.01 * rank, samples=4, step_time=time.time() - started)
 dist.barrier()
 dist.destroy_process_group()
 print(f"rank {rank} done", flush=True)
