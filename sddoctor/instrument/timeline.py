@@ -30,6 +30,9 @@ class TimelineRecorder:
         if session is not None and not getattr(session, "rank_known", True):
             return 0  # a provisional rank: the file name would be wrong
         total = self.tracer.completed()
+        if self.tracer.recent is None:  # the timeline is off: nothing was buffered, nothing dropped
+            self._seen = total
+            return 0
         records = self.tracer.take_recent()
         expected = total - self._seen
         if len(records) >= expected:

@@ -206,8 +206,9 @@ class Tracer:
         self._coalescing: dict[Any, Any] = {}
         self._fired: set[str] = set()
         self._hold_next = False  # a skip fault fired: the next collective never gets issued
-        #: completed calls not yet written to the timeline file (see sddoctor.instrument.timeline)
-        self.recent: collections.deque[_Rec] = collections.deque(maxlen=RECENT_MAX)
+        #: completed calls not yet written to the timeline file (see sddoctor.instrument.timeline);
+        #: None turns the timeline off (the benchmark's "off" blocks)
+        self.recent: collections.deque[_Rec] | None = collections.deque(maxlen=RECENT_MAX)
         self.set_faults(faults or [])
 
     def set_faults(self, faults: list[Fault]) -> None:
@@ -325,11 +326,13 @@ class Tracer:
             stats = self.op_stats[rec.op] = [0, 0.0]
         stats[0] += 1
         stats[1] += t1 - rec.t0
-        self.recent.append(rec)
+        recent = self.recent
+        if recent is not None:
+            recent.append(rec)
 
     def take_recent(self) -> list[_Rec]:
         """Remove and return the completed calls buffered for the timeline, oldest first."""
-        out = []
+        out: list[_Rec] = []
         recent = self.recent
         while recent:
             try:
