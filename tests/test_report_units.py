@@ -368,3 +368,22 @@ def test_gpu_log_without_nvml_writes_nothing(tmp_path):
     finally:
         set_nvml_for_tests(None, None)
     assert read_gpu_log(RunDir(tmp_path)) == [] and "no NVIDIA driver" in (log.note or "")
+
+
+def test_bounded_reading_keeps_every_rare_event_and_only_the_last_steps(tmp_path):
+    rd = RunDir(tmp_path).ensure()
+    w = TelemetryWriter(rd, 0, start_thread=False)
+    w.emit("start", pid=1)
+    for step in range(1, 2001):
+        w.emit("step", step=step, loss=1.0)
+        if step == 10:
+            w.emit("fallback", step=10, new_micro_batch=2)
+    w.close()
+    with open(rd.events_file(0), "a") as fh:
+        fh.write('{"kind": "step", "st')  # torn
+    view = RunView.load(rd, step_bytes=20_000)
+    events = view.ranks[0].events
+    steps = [e["step"] for e in events if e["kind"] == "step"]
+    assert [e["kind"] for e in events[:2]] == ["start", "fallback"]
+    assert steps == list(range(steps[0], 2001)) and 200 < len(steps) < 600
+    assert len(RunView.load(rd).ranks[0].of_kind("step")) == 2000

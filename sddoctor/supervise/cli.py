@@ -304,6 +304,12 @@ def _print_result(report: dict[str, Any], run_dir: RunDir, *, as_json: bool) -> 
         print(render_summary(report, str(run_dir.path)), file=sys.stderr)
 
 
+def _run_dir_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "run_dir", nargs="?", help="run directory (default: the latest under ./sddoctor-runs or ./runs)"
+    )
+
+
 def report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sddoctor report",
@@ -311,9 +317,7 @@ def report_parser() -> argparse.ArgumentParser:
         epilog=REPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "run_dir", nargs="?", help="run directory (default: the latest under ./sddoctor-runs or ./runs)"
-    )
+    _run_dir_argument(p)
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
     p.add_argument("--markdown", action="store_true", help="print report.md instead of the summary")
     p.add_argument(
@@ -428,9 +432,7 @@ def trace_parser() -> argparse.ArgumentParser:
         epilog=TRACE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "run_dir", nargs="?", help="run directory (default: the latest under ./sddoctor-runs or ./runs)"
-    )
+    _run_dir_argument(p)
     p.add_argument(
         "-o", "--output", metavar="PATH", help="where to write the trace (default RUN_DIR/trace.json)"
     )

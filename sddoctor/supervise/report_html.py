@@ -125,12 +125,11 @@ def _timeline_section(timeline: Timeline, run_dir: str) -> str:
         return head + "<p>No steps or collectives were recorded in this run directory.</p></section>"
     ws, we = span
     we = max(we, ws + 1e-3)
-    whole = (timeline.end or we) - (timeline.start or ws)
-    shown = (
-        f"the whole run ({seconds_text(whole)})"
-        if ws <= (timeline.start or ws)
-        else f"the last {seconds_text(we - ws)} of {seconds_text(whole)}"
-    )
+    origin = timeline.start or ws
+    whole = (timeline.end or we) - origin
+    shown = f"from {seconds_text(ws - origin)} to {seconds_text(we - origin)} of {seconds_text(whole)}"
+    if ws <= origin:
+        shown = f"the whole run ({seconds_text(whole)})"
     intro = (
         f"<p>Each rank's steps (upper row) and collectives (lower row), {shown}, on one clock "
         f"(seconds since the first rank started; several hosts: each host's clock). "
@@ -142,7 +141,6 @@ def _timeline_section(timeline: Timeline, run_dir: str) -> str:
     )
     labels = "".join(_lane_label(lane) for lane in timeline.lanes.values())
     plot_h = AXIS_H + LANE_H * len(timeline.lanes)
-    origin = timeline.start or ws
     lanes = "".join(_lane_svg(lane, i, ws, we) for i, lane in enumerate(timeline.lanes.values()))
     axis = "".join(_axis_ticks(ws, we, origin))
     return (
@@ -212,6 +210,14 @@ def _lane_svg(lane: Lane, index: int, ws: float, we: float) -> str:
         if call_end < ws or call.t0 > we:
             continue
         out.append(_call_svg(call, call_end, y + 20, ws, we))
+    if lane.role == "missing" and lane.note:
+        at = next((m.t for m in lane.marks if m.kind == "hang"), end)
+        x = _pct(at, ws, we)
+        anchor, dx = ("end", -8) if x > 70 else ("start", 8)
+        out.append(
+            f'<text class="lane-note" x="{x:.4f}%" dx="{dx}" y="{y + 33}" text-anchor="{anchor}">'
+            f"{escape(lane.note)}</text>"
+        )
     for mark in lane.marks:
         if ws <= mark.t <= we:
             x = _pct(mark.t, ws, we)
@@ -374,21 +380,19 @@ def _gpu_charts(samples: list[dict[str, Any]], origin: float | None) -> list[str
                 util.setdefault(name, []).append((x, float(g["util"])))
             if isinstance(g.get("mem_used"), (int, float)):
                 mem.setdefault(name, []).append((x, g["mem_used"] / 2**30))
+    charts = [
+        (util, "GPU utilisation (NVML)", "%", "gpu-util"),
+        (mem, "GPU memory in use (NVML, all processes)", "GiB", "gpu-memory"),
+    ]
     return [
         line_chart(
-            [Series(f"GPU {k}", v, colour(i)) for i, (k, v) in enumerate(util.items())],
-            title="GPU utilisation (NVML)",
+            [Series(f"GPU {k}", v, colour(i)) for i, (k, v) in enumerate(series.items())],
+            title=title,
             x_label="seconds since start",
-            y_label="%",
-            chart_id="gpu-util",
-        ),
-        line_chart(
-            [Series(f"GPU {k}", v, colour(i)) for i, (k, v) in enumerate(mem.items())],
-            title="GPU memory in use (NVML, all processes)",
-            x_label="seconds since start",
-            y_label="GiB",
-            chart_id="gpu-memory",
-        ),
+            y_label=unit,
+            chart_id=chart_id,
+        )
+        for series, title, unit, chart_id in charts
     ]
 
 
@@ -534,6 +538,7 @@ table.grid th{background:#f2f4f7}.note{color:var(--mute);font-size:12px}
 .c.hl{stroke:#000;stroke-width:2;opacity:1}
 .mark line{stroke:#555;stroke-width:1.5}.mark circle{fill:#555}.mark.sev-error line{stroke:var(--err)}
 .mark.sev-error circle{fill:var(--err)}.mark.sev-warning line{stroke:var(--warn)}.mark.sev-warning circle{fill:var(--warn)}
+.lane-note{font-size:12px;font-weight:600;fill:var(--err)}
 .axis line.tick{stroke:#e3e6ea}.axis text.tick,.tick{font-size:11px;fill:var(--mute)}
 .sw{display:inline-block;width:14px;height:10px;vertical-align:middle;margin:0 2px}.sw.wait{background:var(--wait)}
 .sw.xfer{background:var(--xfer)}.sw.last{background:var(--xfer);outline:2px solid var(--last)}.sw.stuck{background:var(--stuck)}

@@ -13,6 +13,10 @@ from sddoctor.supervise.gpulog import read_gpu_log
 from sddoctor.supervise.timeline import Timeline, load_timeline
 from sddoctor.telemetry import RunDir, RunView
 
+#: step events read per rank (the most recent): about 100,000 steps of the trainer's events, so a
+#: week-long run's report reads tens of MB per rank, not gigabytes (other events are all read)
+STEP_BYTES = 32 << 20
+
 
 @dataclass
 class RunData:
@@ -24,7 +28,7 @@ class RunData:
 
     @classmethod
     def load(cls, run_dir: RunDir, report: dict[str, Any] | None = None) -> RunData:
-        view = RunView.load(run_dir)
+        view = RunView.load(run_dir, step_bytes=STEP_BYTES)
         report = report if report is not None else (view.report() or {})
         return cls(
             run_dir=run_dir,

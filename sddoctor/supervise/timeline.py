@@ -159,42 +159,33 @@ def _lane(rank: int, data: dict[str, Any]) -> Lane:
     snapshot = data.get("snapshot") or {}
     lane = Lane(rank=rank, host=snapshot.get("host"), dropped=int(data.get("dropped") or 0))
     for c in data.get("calls") or []:
-        lane.calls.append(
-            Call(
-                rank=rank,
-                pg=str(c.get("pg")),
-                seq=int(c.get("seq") or 0),
-                op=str(c.get("op")),
-                t0=float(c["t0"]),
-                t1=float(c["t0"]) + max(0.0, float(c["duration"])),
-                caller=str(c.get("caller") or ""),
-                polled=bool(c.get("async")),
-                peer=c.get("peer") if isinstance(c.get("peer"), int) else None,
-            )
-        )
+        lane.calls.append(_call(rank, c, float(c["t0"]), float(c["t0"]) + max(0.0, float(c["duration"]))))
     done = {(c.pg, c.seq) for c in lane.calls}
     for c in (snapshot.get("collectives") or {}).get("inflight") or []:
         if not isinstance(c, dict) or not isinstance(c.get("since"), (int, float)):
             continue
-        if (str(c.get("pg")), c.get("seq")) in done:
-            continue  # completed after that snapshot was written
-        lane.calls.append(
-            Call(
-                rank=rank,
-                pg=str(c.get("pg")),
-                seq=int(c.get("seq") or 0),
-                op=str(c.get("op")),
-                t0=float(c["since"]),
-                t1=None,
-                caller=str(c.get("caller") or ""),
-                polled=bool(c.get("async")),
-            )
-        )
+        if (str(c.get("pg")), c.get("seq")) not in done:  # else it completed after the snapshot
+            lane.calls.append(_call(rank, c, float(c["since"]), None))
     lane.calls.sort(key=lambda c: c.t0)
     lane.steps = _steps(rank, events)
     lane.marks = [m for e in events if (m := _event_mark(rank, e)) is not None]
     _bounds(lane, events, snapshot)
     return lane
+
+
+def _call(rank: int, c: dict[str, Any], t0: float, t1: float | None) -> Call:
+    """A Call from a timeline-file row or an in-flight record of a state snapshot."""
+    return Call(
+        rank=rank,
+        pg=str(c.get("pg")),
+        seq=int(c.get("seq") or 0),
+        op=str(c.get("op")),
+        t0=t0,
+        t1=t1,
+        caller=str(c.get("caller") or ""),
+        polled=bool(c.get("async")),
+        peer=c.get("peer") if isinstance(c.get("peer"), int) else None,
+    )
 
 
 def _steps(rank: int, events: list[dict[str, Any]]) -> list[Step]:
@@ -384,12 +375,24 @@ def lane_stats(lane: Lane) -> dict[str, Any]:
 def window(
     timeline: Timeline, max_calls: int = 1500, max_seconds: float = 300.0
 ) -> tuple[float, float] | None:
-    """The end of the run to show in detail: at most `max_seconds`, at most `max_calls` calls on any rank."""
+    """The end of the run to show in detail: at most `max_seconds`, at most `max_calls` calls on any rank,
+    and not the start-up before the first step or collective (imports, rendezvous)."""
     if timeline.start is None or timeline.end is None:
         return None
     end = timeline.end
-    start = max(timeline.start, end - max_seconds)
+    firsts = [t for lane in timeline.lanes.values() for t in _first_activity(lane)]
+    begin = timeline.start
+    if firsts:
+        begin = max(begin, min(firsts) - 0.05 * (end - min(firsts)))  # a little room before it
+    start = max(begin, end - max_seconds)
     for lane in timeline.lanes.values():
         if len(lane.calls) > max_calls:
             start = max(start, lane.calls[-max_calls].t0)
     return start, end
+
+
+def _first_activity(lane: Lane) -> list[float]:
+    """When the rank's first collective, first step and first event other than its exit began."""
+    times = [lane.calls[0].t0] if lane.calls else []
+    times += [lane.steps[0].t0] if lane.steps else []
+    return times + [m.t for m in lane.marks if m.kind != "exit"][:1]
