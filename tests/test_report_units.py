@@ -160,6 +160,15 @@ def test_a_rank_that_never_arrived_is_marked_and_the_others_wait_to_their_end():
     names = {e["name"] for e in trace["traceEvents"]}
     assert "all_reduce #3 (still inside at the end)" in names and "wait for the other ranks" in names
     assert any(e["ph"] == "i" and e["s"] == "g" for e in trace["traceEvents"])
+    # --last 3: what reaches into the last 3 s of the record (it ends at T0 + 9): the stuck call
+    recent = build_trace(
+        SimpleNamespace(timeline=tl, gpu_samples=[], report={}, run_dir=RunDir("/x")), last=3
+    )
+    assert {e["name"] for e in recent["traceEvents"] if e["ph"] == "X"} == {
+        "all_reduce #3 (still inside at the end)",
+        "wait for the other ranks",
+    }
+    assert check_trace(recent) == [] and any(e["ph"] == "M" for e in recent["traceEvents"])
 
 
 def test_overlapping_async_calls_go_to_separate_trace_tracks():

@@ -414,6 +414,7 @@ TRACE_EPILOG = """\
 examples:
   sddoctor trace sddoctor-runs/run-20261202-101500 -o trace.json    then open it in ui.perfetto.dev
   sddoctor trace                       # the latest run; writes RUN_DIR/trace.json
+  sddoctor trace --last 120 RUN_DIR    # only the last two minutes
 
 Each rank is a process with tracks for its steps, its collectives (with the time it waited for
 the last rank to arrive) and its events (OOM, fallback, fault, exception, exit, the hang), plus
@@ -436,6 +437,12 @@ def trace_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-o", "--output", metavar="PATH", help="where to write the trace (default RUN_DIR/trace.json)"
     )
+    p.add_argument(
+        "--last",
+        type=_positive,
+        metavar="SECONDS",
+        help="only the last SECONDS of the run (a long run's whole record can be a large file)",
+    )
     return p
 
 
@@ -454,7 +461,7 @@ def trace_main(argv: list[str]) -> int:
     target = Path(args.output) if args.output else run_dir.path / "trace.json"
     data = RunData.load(run_dir, report)
     try:
-        trace = write_trace(data, str(target))
+        trace = write_trace(data, str(target), args.last)
     except OSError as exc:
         print(f"sddoctor trace: cannot write {target}: {exc}; choose another path with -o", file=sys.stderr)
         return 2

@@ -33,7 +33,8 @@ _PHASES = {"X", "i", "I", "C", "M"}
 _META = {"process_name", "thread_name", "process_sort_index", "thread_sort_index", "process_labels"}
 
 
-def build_trace(data: RunData) -> dict[str, Any]:
+def build_trace(data: RunData, last: float | None = None) -> dict[str, Any]:
+    """The trace of the whole record, or of its `last` seconds (slices that reach into them)."""
     timeline = data.timeline
     origin = timeline.start if timeline.start is not None else 0.0
     events: list[dict[str, Any]] = []
@@ -41,6 +42,9 @@ def build_trace(data: RunData) -> dict[str, Any]:
         events += _lane_events(lane, origin)
     events += _hang_events(timeline, origin)
     events += _gpu_events(data.gpu_samples, origin)
+    if last is not None and timeline.end is not None:
+        cutoff = _us(timeline.end - last, origin)
+        events = [e for e in events if e["ph"] == "M" or e["ts"] + e.get("dur", 0) >= cutoff]
     report = data.report
     return {
         "traceEvents": events,
@@ -274,13 +278,13 @@ def _check_event(e: Any) -> list[str]:
     return out
 
 
-def write_trace(data: RunData, path: str) -> dict[str, Any]:
+def write_trace(data: RunData, path: str, last: float | None = None) -> dict[str, Any]:
     """Build, check and write the trace (atomically). Raises ValueError if the check fails."""
     from pathlib import Path
 
     from sddoctor.telemetry.layout import atomic_write_text
 
-    trace = build_trace(data)
+    trace = build_trace(data, last)
     problems = check_trace(trace)
     if problems:
         raise ValueError("; ".join(problems[:5]))
