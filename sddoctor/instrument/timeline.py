@@ -2,7 +2,7 @@
 
 The training thread only appends each completed call to `Tracer.recent` (a bounded deque, no
 lock, no I/O). The heartbeat thread calls `TimelineRecorder.flush` about once a second, which
-turns the drained records into rows and appends one line to `ranks/rank-NNNNN.timeline.jsonl`
+turns the drained records into rows and appends one line to `timeline/rank-NNNNN.jsonl`
 (format: `sddoctor.telemetry.timeline`). Nothing is written while the session does not know its
 rank yet (the records wait in the buffer).
 """

@@ -1,7 +1,7 @@
 """Each rank's steps, collectives and events on one time axis, built from a run directory.
 
 This is what report.html draws and `sddoctor trace` exports. Sources (docs/telemetry.md):
-- `ranks/rank-N.timeline.jsonl`: every completed traced collective (enqueue time, duration, caller);
+- `timeline/rank-N.jsonl`: every completed traced collective (enqueue time, duration, caller);
 - the rank's state snapshot (or the report's copy of it): the collectives still in flight at the end;
 - the rank's events: steps (`t` is the end, `step_time` the length), OOMs, fallbacks, injected
   faults, exceptions, checkpoints, the exit;

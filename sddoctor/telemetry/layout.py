@@ -4,6 +4,7 @@ RUN_DIR/
   run.json                 command, start time, host, world size, sddoctor version, schema version
   ranks/rank-00003.jsonl   append-only events of global rank 3
   ranks/rank-00003.state   latest snapshot of rank 3, replaced atomically about once a second
+  timeline/rank-00003.jsonl  rank 3's completed collectives (sddoctor.telemetry.timeline)
   stacks/                  stack dumps taken by the supervisor
   report.json, report.md   the diagnosis
   report.html              the same with each rank's timeline and plots, one self-contained page
@@ -130,7 +131,7 @@ def append_bounded(path: Path, text: str, max_bytes: int) -> None:
 
 
 def rotated_path(path: Path) -> Path:
-    """Where `append_bounded` moves a full file: rank-00001.timeline.jsonl -> rank-00001.timeline.1.jsonl."""
+    """Where `append_bounded` moves a full file: timeline/rank-00001.jsonl -> timeline/rank-00001.1.jsonl."""
     return path.with_name(f"{path.stem}.1{path.suffix}")
 
 

@@ -1,4 +1,4 @@
-"""The collective timeline of one rank: `ranks/rank-NNNNN.timeline.jsonl`, its writer and its reader.
+"""The collective timeline of one rank: `timeline/rank-NNNNN.jsonl`, its writer and its reader.
 
 The state snapshot only holds the collective in flight and the last one completed, and the
 periodic `collective` event only counts; neither says when each rank entered each collective,
@@ -18,7 +18,7 @@ them here about once a second, one JSON line per flush:
   to within the heartbeat interval (about a second); `t0` is exact either way.
 - `dropped`: completed calls that did not fit the buffer since the previous line (more than
   `Tracer.RECENT_MAX` calls within one flush interval).
-- The file is bounded: past `MAX_BYTES` it is renamed to `rank-NNNNN.timeline.1.jsonl` (replacing
+- The file is bounded: past `MAX_BYTES` it is renamed to `timeline/rank-NNNNN.1.jsonl` (replacing
   the previous one) and a new one is started, so a rank keeps at most about 2 x MAX_BYTES, the
   most recent calls. Readers read the `.1` file first.
 
@@ -36,12 +36,14 @@ from sddoctor.telemetry.layout import RunDir, append_bounded, rotated_path
 from sddoctor.telemetry.reader import read_events
 from sddoctor.telemetry.schema import SCHEMA_VERSION
 
+#: folder of the timeline files, beside ranks/
+TIMELINE_DIR = "timeline"
 FIELDS: tuple[str, ...] = ("pg", "seq", "op", "t0", "duration", "caller", "async", "peer")
 MAX_BYTES = 4 << 20
 
 
 def timeline_file(run_dir: RunDir, rank: int) -> Path:
-    return run_dir.ranks_dir / f"rank-{rank:05d}.timeline.jsonl"
+    return run_dir.path / TIMELINE_DIR / f"rank-{rank:05d}.jsonl"
 
 
 class TimelineWriter:
@@ -72,7 +74,10 @@ class TimelineWriter:
             "dropped": dropped,
         }
         text = json.dumps(line, separators=(",", ":"), default=str) + "\n"
-        append_bounded(timeline_file(run_dir, rank), text, self.max_bytes)
+        path = timeline_file(run_dir, rank)
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        append_bounded(path, text, self.max_bytes)
 
 
 def read_timeline(run_dir: RunDir, rank: int) -> tuple[list[dict[str, Any]], int]:
