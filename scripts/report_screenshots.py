@@ -24,7 +24,11 @@ from browser_fixtures import browser_page  # noqa: E402
 
 RUNS = {
     "hang": ("skip:rank=1,seq=5", {"STEPS": "50"}, ["--hang-timeout", "4", "--on-hang", "kill"]),
-    "straggler": ("sleep:rank=1,seconds=0.25,seq=1,every=1", {"STEPS": "12", "PAUSE": "0.05"}, ["--hang-timeout", "30"]),
+    "straggler": (
+        "sleep:rank=1,seconds=0.25,seq=1,every=1",
+        {"STEPS": "12", "PAUSE": "0.05"},
+        ["--hang-timeout", "30"],
+    ),
 }
 
 
@@ -33,7 +37,14 @@ def run(name: str, where: Path) -> Path:
     run_dir = where / name
     env = dict(os.environ, SDDOCTOR_FAULT=fault, REPORT_STEPS="1", OMP_NUM_THREADS="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    job = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/supervise_script.py"]
+    job = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "tests/supervise_script.py",
+    ]
     cmd = [sys.executable, "-m", "sddoctor", "run", "--run-dir", str(run_dir), *options, "--", *job]
     subprocess.run(cmd, cwd=ROOT, env=env, check=False, timeout=180, capture_output=True)
     return run_dir / "report.html"
