@@ -4,6 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh --dev
+# report.html is tested in a real headless Chromium (Debian's package; Playwright's own browser
+# download needs a network that CI does not have). Installed when missing and we are root.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } ||
+        echo "scripts/test.sh: could not install chromium; the browser tests will say they were skipped" >&2
+fi
 "$PY" -m ruff check .
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.

@@ -15,7 +15,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "sddoctor.supervise.cli:main",
         "run a DDP job under supervision; explain hangs, crashes, stragglers, OOMs",
     ),
-    "report": ("sddoctor.supervise.cli:report_main", "print the diagnosis of a run directory again"),
+    "report": (
+        "sddoctor.supervise.cli:report_main",
+        "print the diagnosis of a run directory again (--html: the report page)",
+    ),
+    "trace": (
+        "sddoctor.supervise.cli:trace_main",
+        "export a run's per-rank timeline as a Perfetto/Chrome trace",
+    ),
     "check-nccl": (
         "sddoctor.preflight.cli:main",
         "preflight GPUs, topology, NCCL settings and network; bandwidth test",
@@ -35,6 +42,7 @@ examples:
   sddoctor run -- torchrun --nproc-per-node 2 -m trainer --preset tiny
   sddoctor run --hang-timeout 60 -- torchrun --nproc-per-node 4 train.py
   sddoctor report sddoctor-runs/run-20261202-101500
+  sddoctor trace sddoctor-runs/run-20261202-101500 -o trace.json
   sddoctor check-nccl --quick
   sddoctor tui
 

@@ -1,7 +1,7 @@
-"""A plain DDP-style user script (no sddoctor API): compute, then one all_reduce per step.
+"""A plain DDP-style user script (no sddoctor API unless REPORT_STEPS=1): compute, then one all_reduce per step.
 
 Environment: STEPS (default 20), PAUSE seconds of "compute" per step (default 0.05),
-SIZE elements per all_reduce (default 8), DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall).
+SIZE elements per all_reduce (default 8), DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall); REPORT_STEPS=1: report each step with `sdi.step` (the only use of sddoctor's API).
 """
 
 import os
@@ -33,13 +33,18 @@ batches = None
 if stall_rank is not None:
     loader = torch.utils.data.DataLoader(Items(str(rank) == stall_rank), batch_size=None, num_workers=1)
     batches = iter(loader)
-x = torch.ones(int(os.environ.get("SIZE", "8")))
-for _ in range(steps):
+x, started = torch.ones(int(os.environ.get("SIZE", "8"))), time.time()
+for step in range(steps):
     time.sleep(pause)
     if batches is not None:
         x = next(batches)  # DATA
     y = x * (rank + 1)
     dist.all_reduce(y)  # COLLECTIVE
+    if os.environ.get("REPORT_STEPS") == "1":  # as an instrumented training loop does
+        from sddoctor.instrument import api as sdi
+
+        sdi.step(step + 1, loss=1.0 / (step + 1) + 0.01 * rank, samples=4, step_time=time.time() - started)
+        started = time.time()
 dist.barrier()
 dist.destroy_process_group()
 print(f"rank {rank} done", flush=True)

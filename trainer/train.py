@@ -760,6 +760,7 @@ class Trainer:
                 lr=lr,
                 images_per_s=images_per_step / step_time if step_time > 0 else None,
                 data_wait=data_wait,
+                t_end=time.time(),  # on CUDA the event itself is written once the GPU is done
             )
 
             # Logging interval: the one host sync (mean loss over ranks, and whether anyone was signalled).

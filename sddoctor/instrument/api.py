@@ -31,6 +31,7 @@ from typing import Any
 from sddoctor.codepaths import current_roots
 from sddoctor.instrument.faults import Fault, FaultSpecError, faults_from_env
 from sddoctor.instrument.safety import flush_pending, guarded, internal_error
+from sddoctor.telemetry.environment import comm_env
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
@@ -386,6 +387,7 @@ def _enable(
         world_size=world_size,
         argv=list(sys.argv),
         code_roots=current_roots().to_dict(),
+        comm_env=comm_env(os.environ),
         **start_fields,
     )
     flush_pending()

@@ -2,6 +2,7 @@
 
     python -m sddoctor.instrument.bench                 # 2-rank gloo DDP on CPU (+ 1-GPU NCCL if CUDA)
     python -m sddoctor.instrument.bench --micro         # cost of one traced call, in microseconds
+    python -m sddoctor.instrument.bench --timeline      # the collective timeline alone, on vs off
     python -m sddoctor.instrument.bench --unchanged     # an unchanged DDP program: comm hook + steps inferred
     python -m sddoctor.instrument.bench --json          # machine-readable
 
@@ -41,9 +42,30 @@ def _session_off() -> None:
     api.disable()
 
 
+def _set_timeline(on: bool) -> None:
+    """Turn the collective timeline (the tracer's buffer and its file) on or off in this rank's session."""
+    import collections
+
+    from sddoctor.instrument import api, tracing
+
+    session = api.active()
+    if session is not None and session.tracer is not None:
+        session.tracer.recent = collections.deque(maxlen=tracing.RECENT_MAX) if on else None
+
+
 def _train_blocks(
-    rank: int, world: int, model: Any, batch: Any, blocks: int, steps: int, run_dir: Path, device: str
+    rank: int,
+    world: int,
+    model: Any,
+    batch: Any,
+    blocks: int,
+    steps: int,
+    run_dir: Path,
+    device: str,
+    what: str = "session",
 ) -> dict[str, list[float]]:
+    """Alternating blocks of steps with `what` on and off: "session" (all of the instrumentation)
+    or "timeline" (the collective timeline, with the rest of the instrumentation on throughout)."""
     import torch
     import torch.distributed as dist
 
@@ -68,13 +90,17 @@ def _train_blocks(
         sdi.step(step, loss=float(logged), samples=x.shape[0] * world)
         return time.perf_counter() - t0, time.process_time() - c0
 
+    if what == "timeline":
+        _session_on(run_dir, rank, world)
     for _ in range(3):  # warm-up: DDP rebuilds its buckets after the first iteration
         one_step(0)
     step = 0
     for block in range(blocks):
         # on, off, off, on, ...: each mode comes first in half of the pairs, so an order effect cancels
         mode = "on" if block % 4 in (0, 3) else "off"
-        if mode == "on":
+        if what == "timeline":
+            _set_timeline(mode == "on")
+        elif mode == "on":
             _session_on(run_dir, rank, world)
         dist.barrier()
         for _ in range(steps):
@@ -82,16 +108,20 @@ def _train_blocks(
             times[mode].append(wall)
             times["cpu_" + mode].append(cpu)
             step += 1
-        if mode == "on":
+        if mode == "on" and what == "session":
             _session_off()
         if block % 2 == 1:  # a pair of neighbouring blocks, one of each: drift of the load cancels
             times["pairs"].append(
                 statistics.median(times["on"][-steps:]) / statistics.median(times["off"][-steps:])
             )
+    if what == "timeline":
+        _session_off()
     return times
 
 
-def _gloo_rank(rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any) -> None:
+def _gloo_rank(
+    rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any, what: str = "session"
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -107,18 +137,18 @@ def _gloo_rank(rank: int, world: int, port: int, blocks: int, steps: int, run_di
         torch.nn.Linear(512, 64),
     )
     batch = (torch.randn(32, 256), torch.randn(32, 64))
-    times = _train_blocks(rank, world, model, batch, blocks, steps, Path(run_dir), "cpu")
+    times = _train_blocks(rank, world, model, batch, blocks, steps, Path(run_dir), "cpu", what)
     if rank == 0:
         out.put(times)
     dist.destroy_process_group()
 
 
-def bench_gloo(blocks: int, steps: int) -> dict[str, Any]:
-    return _result("gloo, 2 ranks, CPU MLP DDP", _run_gloo(_gloo_rank, blocks, steps))
+def bench_gloo(blocks: int, steps: int, what: str = "session") -> dict[str, Any]:
+    return _result("gloo, 2 ranks, CPU MLP DDP" + _what(what), _run_gloo(_gloo_rank, blocks, steps, what))
 
 
-def _run_gloo(target: Any, blocks: int, steps: int) -> dict[str, list[float]]:
-    """Run `target(rank, world, port, blocks, steps, run_dir, queue)` on 2 gloo ranks; rank 0's times."""
+def _run_gloo(target: Any, blocks: int, steps: int, *extra: Any) -> dict[str, list[float]]:
+    """Run `target(rank, world, port, blocks, steps, run_dir, queue, *extra)` on 2 gloo ranks; rank 0's times."""
     import multiprocessing as mp
 
     from sddoctor.instrument.tracing import uninstall  # noqa: F401  (import check before spawning)
@@ -128,7 +158,8 @@ def _run_gloo(target: Any, blocks: int, steps: int) -> dict[str, list[float]]:
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
         procs = [
-            ctx.Process(target=target, args=(r, 2, port, blocks, steps, run_dir, queue)) for r in range(2)
+            ctx.Process(target=target, args=(r, 2, port, blocks, steps, run_dir, queue, *extra))
+            for r in range(2)
         ]
         for p in procs:
             p.start()
@@ -141,6 +172,10 @@ def _run_gloo(target: Any, blocks: int, steps: int) -> dict[str, list[float]]:
                     p.kill()
                     p.join()
     return times
+
+
+def _what(what: str) -> str:
+    return "; collective timeline on vs off (instrumentation on throughout)" if what == "timeline" else ""
 
 
 def _unchanged_rank(
@@ -218,7 +253,7 @@ def bench_gloo_unchanged(blocks: int, steps: int) -> dict[str, Any]:
     return result
 
 
-def bench_nccl(blocks: int, steps: int) -> dict[str, Any]:
+def bench_nccl(blocks: int, steps: int, what: str = "session") -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -232,11 +267,12 @@ def bench_nccl(blocks: int, steps: int) -> dict[str, Any]:
     model = torch.nn.Sequential(*layers).cuda()
     batch = (torch.randn(256, width, device="cuda"), torch.randn(256, width, device="cuda"))
     with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
-        times = _train_blocks(0, 1, model, batch, blocks, steps, Path(run_dir), "cuda")
+        times = _train_blocks(0, 1, model, batch, blocks, steps, Path(run_dir), "cuda", what)
     dist.destroy_process_group()
     params = sum(p.numel() for p in model.parameters())
     return _result(
-        f"nccl, 1 GPU ({torch.cuda.get_device_name(0)}), MLP {params / 1e6:.0f}M params DDP", times
+        f"nccl, 1 GPU ({torch.cuda.get_device_name(0)}), MLP {params / 1e6:.0f}M params DDP" + _what(what),
+        times,
     )
 
 
@@ -259,17 +295,25 @@ def microbench(calls: int = 20000, rounds: int = 7) -> dict[str, Any]:
         return None
 
     spec = next(s for s in tracing._SPECS if s.name == "all_reduce")
-    per_call: dict[str, list[float]] = {"off": [], "on": [], "gloo_off": [], "gloo_on": []}
+    per_call: dict[str, list[float]] = {"off": [], "on": [], "no_timeline": [], "gloo_off": [], "gloo_on": []}
+    per_call["flush"] = []
     tracer = None
     for _ in range(rounds):
-        for mode in ("off", "on"):
-            if mode == "on":
+        for mode in ("off", "on", "no_timeline"):
+            if mode != "off":
                 tracer = tracing.install(0)
-            fn = tracing._make_wrapper(noop, spec) if mode == "on" else noop
+                if mode == "no_timeline":
+                    tracer.recent = None
+            fn = tracing._make_wrapper(noop, spec) if mode != "off" else noop
             t0 = time.thread_time()
             for _ in range(calls):
                 fn(t)
             per_call[mode].append((time.thread_time() - t0) / calls * 1e6)
+            if mode == "no_timeline":
+                tracing.uninstall()
+                continue
+            if mode == "on":
+                per_call["flush"].append(_timeline_flush_us(tracer, fn, t))
             real = dist.all_reduce
             t0 = time.thread_time()
             for _ in range(calls // 20):
@@ -286,9 +330,29 @@ def microbench(calls: int = 20000, rounds: int = 7) -> dict[str, Any]:
         "overhead_us": round(med["on"] - med["off"], 3),
         "gloo_all_reduce_untraced_us": round(med["gloo_off"], 1),
         "gloo_all_reduce_traced_us": round(med["gloo_on"], 1),
+        "timeline_us": round(med["on"] - med["no_timeline"], 3),
+        "timeline_flush_us": round(med["flush"], 3),
         "calls": calls,
         "recorded": tracer.snapshot()["issued"] if tracer is not None else None,
     }
+
+
+def _timeline_flush_us(tracer: Any, fn: Any, tensor: Any) -> float:
+    """Heartbeat-thread CPU time to write one buffered call to the timeline file (a full buffer)."""
+    from types import SimpleNamespace
+
+    from sddoctor.instrument.timeline import TimelineRecorder
+    from sddoctor.instrument.tracing import RECENT_MAX
+    from sddoctor.telemetry import RunDir
+
+    recorder = TimelineRecorder(tracer)
+    for _ in range(RECENT_MAX):
+        fn(tensor)
+    with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
+        writer = SimpleNamespace(run_dir=RunDir(run_dir).ensure(), rank=0)
+        t0 = time.thread_time()
+        written = recorder.flush(writer)
+        return (time.thread_time() - t0) / max(1, written) * 1e6
 
 
 def _result(name: str, times: dict[str, list[float]]) -> dict[str, Any]:
@@ -326,16 +390,21 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--micro", action="store_true", help="only the per-call cost of the tracing wrapper")
-    parser.add_argument(
-        "--unchanged",
-        action="store_true",
-        help="only an unchanged DDP program: sddoctor's comm hook and step inference on vs off",
-    )
     parser.add_argument("--calls", type=int, default=20000, help="calls per round of --micro (default 20000)")
     parser.add_argument("--blocks", type=int, default=10, help="alternating on/off blocks (default 10)")
     parser.add_argument("--steps", type=int, default=20, help="steps per block (default 20)")
     parser.add_argument(
         "--no-cuda", action="store_true", help="skip the NCCL benchmark even if CUDA is there"
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="toggle only the collective timeline between blocks (the rest of the instrumentation stays on)",
+    )
+    parser.add_argument(
+        "--unchanged",
+        action="store_true",
+        help="only an unchanged DDP program: sddoctor's comm hook and step inference on vs off",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -346,12 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.unchanged:
             results.append(bench_gloo_unchanged(args.blocks, args.steps))
         else:
-            results.append(bench_gloo(args.blocks, args.steps))
+            what = "timeline" if args.timeline else "session"
+            results.append(bench_gloo(args.blocks, args.steps, what))
             if not args.no_cuda:
                 import torch
 
                 if torch.cuda.is_available():
-                    results.append(bench_nccl(args.blocks, args.steps))
+                    results.append(bench_nccl(args.blocks, args.steps, what))
     except Exception as exc:  # noqa: BLE001 - report, do not dump a traceback
         print(f"benchmark failed: {exc!r}", file=sys.stderr)
         return 1
@@ -370,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(
                     f"{r['name']}: {r['untraced_us']} us untraced, {r['traced_us']} us traced "
-                    f"-> {r['overhead_us']} us per call (a real gloo all_reduce here: "
+                    f"-> {r['overhead_us']} us per call, of which the timeline buffer {r['timeline_us']} us "
+                    f"and {r['timeline_flush_us']} us to write it later (heartbeat thread) "
+                    f"(a real gloo all_reduce here: "
                     f"{r['gloo_all_reduce_untraced_us']} us untraced, {r['gloo_all_reduce_traced_us']} us traced)"
                 )
     return 0

@@ -3,7 +3,8 @@
 Each tick polls the tracer's asynchronous works (never blocking), stamps `heartbeat` (the
 supervisor tells a live-but-stuck rank from a frozen process by it) and, every
 `summary_interval` seconds and at close, emits one `collective` summary event per process
-group that did something. It feeds the state snapshot through the writer's state provider, so
+group that did something. Each tick also appends the calls completed since the last tick to the
+rank's timeline file (`sddoctor.instrument.timeline`). It feeds the state snapshot through the writer's state provider, so
 the training thread never builds a snapshot itself.
 """
 
@@ -13,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from sddoctor.instrument.timeline import TimelineRecorder
 from sddoctor.instrument.tracing import Tracer
 from sddoctor.telemetry.schema import EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
@@ -36,6 +38,7 @@ class Heartbeat:
         self.beat = time.time()
         self._last_summary_t = time.monotonic()
         self._last_summary: dict[str, Any] | None = None
+        self.timeline = TimelineRecorder(tracer)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sddoctor-heartbeat", daemon=True)
         writer.add_state_provider(self.state)
@@ -47,6 +50,7 @@ class Heartbeat:
     def tick(self) -> None:
         self.tracer.poll()
         self.beat = time.time()
+        self.timeline.flush(self.writer)
         if time.monotonic() - self._last_summary_t >= self.summary_interval:
             self.emit_summary()
 
@@ -75,6 +79,7 @@ class Heartbeat:
             self._thread.join(timeout=2.0)
         try:
             self.tracer.poll()
+            self.timeline.flush(self.writer)
             self.emit_summary()
         except Exception:  # noqa: BLE001 - closing must not raise at exit
             pass

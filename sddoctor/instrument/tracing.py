@@ -101,8 +101,8 @@ _NAMESPACE_ONLY = {"isend", "irecv"}
 _QUIET = ("init_process_group", "new_group", "new_subgroups", "destroy_process_group")
 
 _MAX_PENDING = 4096  # per group: bounds memory if completion is never observed
-_RECENT = 256  # calls kept for the snapshot's `recent` list (when each rank arrived where)
-_RECENT_SECONDS = 3.0  # a snapshot lists the calls of the last seconds (snapshots can be missed)
+#: completed calls kept for the timeline until the heartbeat drains them (about once a second)
+RECENT_MAX = 4096
 _MAX_LISTED = 8  # tensors of one call whose shapes are recorded
 
 _tls = threading.local()
@@ -217,8 +217,9 @@ class Tracer:
         self._coalescing: dict[Any, Any] = {}
         self._fired: set[str] = set()
         self._hold_next = False  # a skip fault fired: the next collective never gets issued
-        #: the latest calls, for the supervisor's arrival statistics (stragglers); one append a call
-        self.recent: collections.deque[_Rec] = collections.deque(maxlen=_RECENT)
+        #: completed calls not yet written to the timeline file (see sddoctor.instrument.timeline);
+        #: None turns the timeline off (the benchmark's "off" blocks)
+        self.recent: collections.deque[_Rec] | None = collections.deque(maxlen=RECENT_MAX)
         self.set_faults(faults or [])
 
     def set_faults(self, faults: list[Fault]) -> None:
@@ -315,7 +316,6 @@ class Tracer:
         rec.deferred = False
         rec.t0 = time.time()
         st.current = rec
-        self.recent.append(rec)
         if hold:
             self._hold("shape")
         return ("go", st, rec, args, kwargs, restore, user_async, on_cuda)
@@ -350,6 +350,24 @@ class Tracer:
             stats = self.op_stats[rec.op] = [0, 0.0]
         stats[0] += 1
         stats[1] += t1 - rec.t0
+        recent = self.recent
+        if recent is not None:
+            recent.append(rec)
+
+    def take_recent(self) -> list[_Rec]:
+        """Remove and return the completed calls buffered for the timeline, oldest first."""
+        out: list[_Rec] = []
+        recent = self.recent
+        while recent:
+            try:
+                out.append(recent.popleft())
+            except IndexError:  # drained by another thread meanwhile
+                break
+        return out
+
+    def completed(self) -> int:
+        """Completed traced calls since the start (all groups)."""
+        return int(sum(v[0] for v in list(self.op_stats.values())))
 
     def _new_group(self, group: Any) -> _Group:
         c10d = self._c10d
@@ -479,12 +497,10 @@ class Tracer:
                 if rec.t1 is None:
                     inflight.append(rec.as_dict(now))
         inflight.sort(key=lambda d: d["since"])
-        recent = [r.as_dict(now) for r in list(self.recent) if r.t0 >= now - _RECENT_SECONDS]
         stats = dict(self.op_stats)
         out: dict[str, Any] = {
             "inflight": inflight,
             "issued": issued,
-            "recent": recent,
             # cumulative time inside completed collectives: a straggler waits least
             "totals": {
                 "count": int(sum(v[0] for v in stats.values())),

@@ -45,13 +45,14 @@ REPORT_EPILOG = """\
 examples:
   sddoctor report sddoctor-runs/run-20261202-101500
   sddoctor report --json runs/my-trainer-run
+  sddoctor report --html runs/my-trainer-run       # writes runs/my-trainer-run/report.html
   sddoctor report                      # the latest run under ./sddoctor-runs and ./runs
 
 exit codes:
   0   report printed; no error-level finding
   1   report printed; at least one error-level finding (hang, crash, OOM, diverged replicas), or
       a `sddoctor run --preflight` that failed and launched nothing
-  2   usage error: no such run directory, or nothing in it to diagnose
+  2   usage error: no such run directory, or nothing in it to diagnose; --html could not write
 """
 
 
@@ -328,6 +329,12 @@ def _print_result(report: dict[str, Any], run_dir: RunDir, *, as_json: bool) -> 
         print(render_summary(report, str(run_dir.path)), file=sys.stderr)
 
 
+def _run_dir_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "run_dir", nargs="?", help="run directory (default: the latest under ./sddoctor-runs or ./runs)"
+    )
+
+
 def report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sddoctor report",
@@ -335,53 +342,89 @@ def report_parser() -> argparse.ArgumentParser:
         epilog=REPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "run_dir", nargs="?", help="run directory (default: the latest under ./sddoctor-runs or ./runs)"
-    )
+    _run_dir_argument(p)
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
     p.add_argument("--markdown", action="store_true", help="print report.md instead of the summary")
     p.add_argument(
         "--rediagnose", action="store_true", help="diagnose the run directory again even if it has a report"
     )
+    p.add_argument(
+        "--html",
+        action="store_true",
+        help="write report.html (verdict, per-rank timeline, plots, stacks; one self-contained file) and print its path",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="with --html: write the page here instead of RUN_DIR/report.html",
+    )
     return p
+
+
+def _find_run_dir(prog: str, given: str | None) -> RunDir | None:
+    """The run directory named on the command line, else the latest one; None (after saying why) if none."""
+    from sddoctor.telemetry import find_latest_run
+
+    if given:
+        run_dir = RunDir(given)
+        if not run_dir.path.is_dir():
+            print(
+                f"{prog}: {given!r} is not a directory; give a run directory (one with run.json or ranks/)",
+                file=sys.stderr,
+            )
+            return None
+        return run_dir
+    found = find_latest_run("sddoctor-runs", "runs")
+    if found is None:
+        print(
+            f"{prog}: no run directory found under ./sddoctor-runs or ./runs; give one: {prog} DIR",
+            file=sys.stderr,
+        )
+    return found
+
+
+def _load_report(prog: str, run_dir: RunDir, rediagnose: bool) -> dict[str, Any] | None:
+    """report.json, or a diagnosis of the files when there is none (or `rediagnose`); None if not a run dir."""
+    from sddoctor.supervise.offline import diagnose_run_dir
+    from sddoctor.telemetry import read_json
+
+    report = None if rediagnose else read_json(run_dir.report_json)
+    if report is None:
+        if not run_dir.ranks_dir.is_dir() and not run_dir.run_json.exists():
+            print(
+                f"{prog}: {run_dir.path} has no report.json, run.json or ranks/: "
+                "not a sddoctor or trainer run directory",
+                file=sys.stderr,
+            )
+            return None
+        report = diagnose_run_dir(run_dir)
+    return report
 
 
 def report_main(argv: list[str]) -> int:
     """`sddoctor report`."""
-    from sddoctor.supervise.offline import diagnose_run_dir
-    from sddoctor.supervise.report import render_markdown, render_summary
-    from sddoctor.telemetry import find_latest_run, read_json
+    from sddoctor.supervise.report import attach_health, render_markdown, render_summary, write_html
 
     args = report_parser().parse_args(argv)
-    if args.run_dir:
-        run_dir = RunDir(args.run_dir)
-        if not run_dir.path.is_dir():
-            print(
-                f"sddoctor report: {args.run_dir!r} is not a directory; give a run directory "
-                "(one with run.json or ranks/)",
-                file=sys.stderr,
-            )
-            return 2
-    else:
-        found = find_latest_run("sddoctor-runs", "runs")
-        if found is None:
-            print(
-                "sddoctor report: no run directory found under ./sddoctor-runs or ./runs; "
-                "give one: sddoctor report DIR",
-                file=sys.stderr,
-            )
-            return 2
-        run_dir = found
-    report = None if args.rediagnose else read_json(run_dir.report_json)
+    if args.output and not args.html:
+        print("sddoctor report: --output goes with --html", file=sys.stderr)
+        return 2
+    run_dir = _find_run_dir("sddoctor report", args.run_dir)
+    if run_dir is None:
+        return 2
+    report = _load_report("sddoctor report", run_dir, args.rediagnose)
     if report is None:
-        if not run_dir.ranks_dir.is_dir() and not run_dir.run_json.exists():
-            print(
-                f"sddoctor report: {run_dir.path} has no report.json, run.json or ranks/: "
-                "not a sddoctor or trainer run directory",
-                file=sys.stderr,
-            )
-            return 2
-        report = diagnose_run_dir(run_dir)
+        return 2
+    if args.html or (args.markdown and "health" not in report):
+        data = attach_health(report, run_dir)
+        if args.html:
+            target = Path(args.output) if args.output else run_dir.report_html
+            problem = "cannot read the run directory" if data is None else write_html(data, target)
+            if problem:
+                print(f"sddoctor report: cannot write {target}: {problem}", file=sys.stderr)
+                return 2
+            print(f"sddoctor report: wrote {target}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif args.markdown:
@@ -390,3 +433,68 @@ def report_main(argv: list[str]) -> int:
         print(render_summary(report, str(run_dir.path)))
     errors = [v for v in report.get("verdicts") or [] if v.get("severity") == "error"]
     return 1 if errors or report.get("outcome") == "preflight_failed" else 0
+
+
+TRACE_EPILOG = """\
+examples:
+  sddoctor trace sddoctor-runs/run-20261202-101500 -o trace.json    then open it in ui.perfetto.dev
+  sddoctor trace                       # the latest run; writes RUN_DIR/trace.json
+  sddoctor trace --last 120 RUN_DIR    # only the last two minutes
+
+Each rank is a process with tracks for its steps, its collectives (with the time it waited for
+the last rank to arrive) and its events (OOM, fallback, fault, exception, exit, the hang), plus
+counters (step time, loss, GPU utilisation and memory). Details: docs/run.md.
+
+exit codes:
+  0   trace written
+  2   usage error: no such run directory, nothing in it, or the output cannot be written
+"""
+
+
+def trace_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sddoctor trace",
+        description="Export a run directory as a Chrome/Perfetto trace (JSON trace event format).",
+        epilog=TRACE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _run_dir_argument(p)
+    p.add_argument(
+        "-o", "--output", metavar="PATH", help="where to write the trace (default RUN_DIR/trace.json)"
+    )
+    p.add_argument(
+        "--last",
+        type=_positive,
+        metavar="SECONDS",
+        help="only the last SECONDS of the run (a long run's whole record can be a large file)",
+    )
+    return p
+
+
+def trace_main(argv: list[str]) -> int:
+    """`sddoctor trace`."""
+    from sddoctor.supervise.rundata import RunData
+    from sddoctor.supervise.trace import write_trace
+
+    args = trace_parser().parse_args(argv)
+    run_dir = _find_run_dir("sddoctor trace", args.run_dir)
+    if run_dir is None:
+        return 2
+    report = _load_report("sddoctor trace", run_dir, rediagnose=False)
+    if report is None:
+        return 2
+    target = Path(args.output) if args.output else run_dir.path / "trace.json"
+    data = RunData.load(run_dir, report)
+    try:
+        trace = write_trace(data, str(target), args.last)
+    except OSError as exc:
+        print(f"sddoctor trace: cannot write {target}: {exc}; choose another path with -o", file=sys.stderr)
+        return 2
+    events = trace["traceEvents"]
+    slices = sum(1 for e in events if e.get("ph") == "X")
+    print(
+        f"sddoctor trace: wrote {target} ({len(data.timeline.lanes)} ranks, {slices} slices); "
+        "open it in https://ui.perfetto.dev",
+        file=sys.stderr,
+    )
+    return 0

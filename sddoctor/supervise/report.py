@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
+from sddoctor.supervise.health import render_health_markdown
 from sddoctor.supervise.state import RankState, RunState, Verdict
 from sddoctor.telemetry import RunDir, read_json
 from sddoctor.telemetry.layout import atomic_write_text
@@ -79,8 +81,41 @@ def attach_preflight(report: dict[str, Any], run_dir: RunDir) -> None:
 
 
 def write_report(run_dir: RunDir, report: dict[str, Any]) -> None:
+    """report.json and report.md, with the run's health summary attached; then report.html."""
+    data = attach_health(report, run_dir)
     atomic_write_text(run_dir.report_json, json.dumps(report, indent=2, default=str))
     atomic_write_text(run_dir.report_md, render_markdown(report))
+    if data is not None:
+        write_html(data)
+
+
+def attach_health(report: dict[str, Any], run_dir: RunDir) -> Any:
+    """Add `health` (throughput, step times, waits, memory, OOMs, settings) to the report.
+
+    Returns the loaded RunData for the other views, or None when the run directory could not be
+    read (the report keeps `health: {"error": ...}`: a bug here must not cost the diagnosis).
+    """
+    from sddoctor.supervise.health import health_summary
+    from sddoctor.supervise.rundata import RunData
+
+    try:
+        data = RunData.load(run_dir, report)
+        report["health"] = health_summary(data.view, data.timeline, data.gpu_samples)
+    except Exception as exc:  # noqa: BLE001 - the verdicts matter more than the summary
+        report["health"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return None
+    return data
+
+
+def write_html(data: Any, path: Path | None = None) -> str | None:
+    """report.html (RUN_DIR/report.html unless `path`); returns why it could not be written, or None."""
+    from sddoctor.supervise.report_html import render_html
+
+    try:
+        atomic_write_text(path or data.run_dir.report_html, render_html(data))
+    except Exception as exc:  # noqa: BLE001 - report.json and report.md are written already
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def headline(report: dict[str, Any]) -> str:
@@ -167,6 +202,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     problem = (report.get("stacks") or {}).get("problem")
     if problem:
         out += ["", f"Stacks: {problem}"]
+    health = report.get("health")
+    if isinstance(health, dict) and "ranks" in health:
+        out += ["", *render_health_markdown(health)]
     preflight = report.get("preflight")
     if isinstance(preflight, dict):
         out += [

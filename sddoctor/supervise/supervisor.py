@@ -18,6 +18,7 @@ from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
 from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts, rank_exit
 from sddoctor.supervise.facts import apply_facts, write_facts
+from sddoctor.supervise.gpulog import GpuLog
 from sddoctor.supervise.http import StateServer
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
@@ -116,6 +117,7 @@ class Supervisor:
         self.say(f"run dir: {self.opts.run_dir.path}")
         restore = install_forwarding(self.job, self.signals.append)
         peer_thread = None
+        gpu_log = GpuLog(self.opts.run_dir).start()  # RUN_DIR/gpus.jsonl for report.html's GPU plots
         try:
             self.job.start()
             if self.opts.peers:
@@ -123,6 +125,7 @@ class Supervisor:
                 peer_thread.start()
             self._loop()
         finally:
+            gpu_log.stop()
             restore()
             # Nothing of the job survives sddoctor, whatever happened.
             if not self.job.wait_gone(2.0):

@@ -12,10 +12,11 @@ from typing import Any
 
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json
+from sddoctor.telemetry.timeline import decode_calls, timeline_file
 
 #: Event kinds the diagnosis keeps (steps and summaries are only counted).
 _KEPT = {"exception", "oom", "fallback", "fault", "exit", "start", "warning", "replicas", "internal_error"}
-_MAX_SIGHTINGS = 600  # per rank and pg: enough for a few minutes of straggler statistics
+_MAX_SIGHTINGS = 4096  # per rank and pg: the straggler window (60 s) of a busy DDP job
 _MAX_STEPS = 4096  # per rank: recent step events kept for step-time statistics
 
 
@@ -43,6 +44,7 @@ class Watcher:
         self._procs_seen: set[str] = set()
         self.ranks: dict[int, RankState] = {}
         self._tails: dict[int, EventTail] = {}
+        self._timelines: dict[int, EventTail] = {}  # when each rank arrived at each collective
         self._progress_key: dict[int, Any] = {}
         self._last_state_t: dict[int, float] = {}
         self.last_progress: float | None = None
@@ -61,6 +63,10 @@ class Watcher:
             tail = self._tails.setdefault(rank_id, EventTail(self.run_dir.events_file(rank_id)))
             for event in tail.poll():
                 self._on_event(rank, event, now)
+            timeline = self._timelines.setdefault(rank_id, EventTail(timeline_file(self.run_dir, rank_id)))
+            for line in timeline.poll():
+                for call in decode_calls(line):
+                    self._sight(rank, call, enqueue=call.get("t0"), duration=call.get("duration"))
             snapshot = read_json(self.run_dir.state_file(rank_id))
             if snapshot is not None:
                 self._on_snapshot(rank, snapshot, now)
@@ -194,9 +200,6 @@ class Watcher:
             if enqueue is None and isinstance(end, (int, float)) and isinstance(dur, (int, float)):
                 enqueue = end - dur
             self._sight(rank, done, enqueue=enqueue, duration=dur)
-        for c in colls.get("recent") or []:
-            if isinstance(c, dict):
-                self._sight(rank, c, enqueue=c.get("since"), duration=c.get("duration"))
         ddp = colls.get("ddp")
         key = (
             snap.get("step"),

@@ -4,8 +4,10 @@ RUN_DIR/
   run.json                 command, start time, host, world size, sddoctor version, schema version
   ranks/rank-00003.jsonl   append-only events of global rank 3
   ranks/rank-00003.state   latest snapshot of rank 3, replaced atomically about once a second
+  timeline/rank-00003.jsonl  rank 3's completed collectives (sddoctor.telemetry.timeline)
   stacks/                  stack dumps taken by the supervisor
   report.json, report.md   the diagnosis
+  report.html              the same with each rank's timeline and plots, one self-contained page
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class RunDir:
     @property
     def report_md(self) -> Path:
         return self.path / "report.md"
+
+    @property
+    def report_html(self) -> Path:
+        return self.path / "report.html"
 
     def events_file(self, rank: int) -> Path:
         return self.ranks_dir / f"rank-{rank:05d}.jsonl"
@@ -109,6 +115,24 @@ def atomic_write_text(path: Path, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
+
+def append_bounded(path: Path, text: str, max_bytes: int) -> None:
+    """Append `text` to `path`; past `max_bytes` the file first becomes `<stem>.1<suffix>` (replacing
+    an older one), so the pair holds at most about 2 x max_bytes, the most recent lines."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    if size and size + len(text) > max_bytes:
+        os.replace(path, rotated_path(path))
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def rotated_path(path: Path) -> Path:
+    """Where `append_bounded` moves a full file: timeline/rank-00001.jsonl -> timeline/rank-00001.1.jsonl."""
+    return path.with_name(f"{path.stem}.1{path.suffix}")
 
 
 def new_run_dir(base: str | os.PathLike[str], prefix: str = "run") -> RunDir:

@@ -39,6 +39,30 @@ def read_events(path: str | os.PathLike[str], kinds: set[str] | None = None) -> 
     return events
 
 
+def read_events_bounded(
+    path: str | os.PathLike[str], *, bulky: str = "step", bulky_bytes: int = 32 << 20
+) -> list[dict[str, Any]]:
+    """Like `read_events`, but `bulky` events (a long run's step events dwarf everything else) only
+    from the last `bulky_bytes` of the file; every other event is kept wherever it is."""
+    marker = f'"kind": "{bulky}"'.encode()
+    try:
+        cutoff = os.path.getsize(path) - bulky_bytes
+        fh = open(path, "rb")
+    except OSError:
+        return []
+    events: list[dict[str, Any]] = []
+    offset = 0
+    with fh:
+        for raw in fh:
+            start, offset = offset, offset + len(raw)
+            if start < cutoff and marker in raw:
+                continue
+            event = _parse_line(raw.decode("utf-8", errors="replace"))
+            if event is not None:
+                events.append(event)
+    return events
+
+
 def _parse_line(line: str) -> dict[str, Any] | None:
     if not line.endswith("\n"):
         return None  # torn: the writer has not finished this line
@@ -56,10 +80,15 @@ class EventTail:
         self.path = Path(path)
         self._offset = 0
         self._partial = ""
+        self._inode: int | None = None
 
     def poll(self) -> list[dict[str, Any]]:
         try:
             with open(self.path, encoding="utf-8", errors="replace") as fh:
+                stat = os.fstat(fh.fileno())
+                if self._inode is not None and (stat.st_ino != self._inode or stat.st_size < self._offset):
+                    self._offset, self._partial = 0, ""  # the writer rotated the file: a new one
+                self._inode = stat.st_ino
                 fh.seek(self._offset)
                 chunk = fh.read()
                 self._offset = fh.tell()
@@ -105,12 +134,17 @@ class RunView:
     ranks: dict[int, RankView]
 
     @classmethod
-    def load(cls, run_dir: RunDir | str | os.PathLike[str]) -> RunView:
+    def load(cls, run_dir: RunDir | str | os.PathLike[str], *, step_bytes: int | None = None) -> RunView:
+        """`step_bytes`: keep step events only from the last that many bytes of each rank's log."""
         rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-        ranks = {
-            r: RankView(rank=r, events=read_events(rd.events_file(r)), state=read_json(rd.state_file(r)))
-            for r in rd.ranks()
-        }
+
+        def events(rank: int) -> list[dict[str, Any]]:
+            path = rd.events_file(rank)
+            return (
+                read_events(path) if step_bytes is None else read_events_bounded(path, bulky_bytes=step_bytes)
+            )
+
+        ranks = {r: RankView(rank=r, events=events(r), state=read_json(rd.state_file(r))) for r in rd.ranks()}
         return cls(run_dir=rd, info=rd.run_info(), ranks=ranks)
 
     @property
