@@ -175,9 +175,22 @@ def test_plain_python_script_crash_and_json(tmp_path):
     res = run_supervised(tmp_path, [sys.executable, str(script)], options=("--json", "--quiet"))
     assert res.returncode == 3
     report = json.loads(res.stdout[res.stdout.index("{") :])
-    assert report["exit_code"] == 3 and report["world_size"] == 1
+    # no process joined a process group: no rank, and the world size is unknown, not 1
+    assert report["exit_code"] == 3 and report["world_size"] is None and report["ranks"] == {}
     (v,) = report["verdicts"]
-    assert (v["kind"], v["culprit_rank"]) == ("crash", 0)
+    assert (v["kind"], v["culprit_rank"]) == ("crash", None)
+    assert "exited with code 3" in v["summary"]
+
+
+def test_a_job_that_never_joins_a_process_group_is_not_called_ok(tmp_path):
+    script = tmp_path / "local.py"
+    script.write_text("import torch\nprint(float(torch.ones(2).sum()))\n")
+    res = run_supervised(tmp_path, [sys.executable, str(script)], options=("--quiet",))
+    assert res.returncode == 0, res.stderr
+    (v,) = res.report["verdicts"]
+    assert (v["kind"], v["severity"]) == ("no_collectives", "info")
+    assert "no process of the job joined" in v["summary"]
+    assert "no problem found" not in res.stderr
 
 
 def test_malformed_fault_is_a_usage_error(tmp_path):

@@ -253,10 +253,9 @@ class RankSession:
                 self._after_init()
         except Exception:  # noqa: BLE001
             pass
-        # Gradient bucket counts and times of every DDP model the bootstrap (ddp_patch) hooked.
-        from sddoctor.instrument import ddp_hook
-
-        self.tracer.ddp_stats = ddp_hook.stats
+        # Gradient bucket counts and times of every DDP model the bootstrap (ddp_patch) hooked; looked
+        # up at each call, since ddp_hook may still be importing here (the user imported it first).
+        self.tracer.ddp_stats = _ddp_stats
 
     def _on_ddp_model(self, ddp_model: Any) -> None:
         """A DistributedDataParallel was constructed: infer steps from it unless the program counts
@@ -455,6 +454,12 @@ def _become_rank(rank: int, world_size: int | None) -> None:
     except FaultSpecError as exc:  # checked at start-up already; kept for safety
         print(f"sddoctor: {exc}", file=sys.stderr, flush=True)
         os._exit(2)
+
+
+def _ddp_stats() -> dict[str, Any]:
+    from sddoctor.instrument import ddp_hook
+
+    return ddp_hook.stats()
 
 
 def _trace_when_possible(session: RankSession) -> None:

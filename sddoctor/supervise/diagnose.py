@@ -712,6 +712,16 @@ def _startup_hang(
             f"rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} wait{'' if len(waiters) > 1 else 's'} "
             f"in {' / '.join(what)}" + (f" (called at {caller})" if caller else "")
         )
+    if stuck and not waiters and len(stuck) > 1:
+        # Nobody waits for anybody: every rank is still in its own set-up (imports, loading).
+        places = [
+            f"rank {r}: {_where(state.ranks[r])[1] if r in state.ranks else _never_joined(state, r)[1]}"
+            for r in stuck
+        ]
+        summary = f"hang at start-up ({elapsed:.0f} s): no rank got to its first collective; " + "; ".join(
+            places
+        )
+        return Verdict("hang.startup", "error", summary, None, None, details, evidence)
     if stuck:
         culprit = _pick_culprit(state, stuck, ("skip",))
         rank = state.ranks.get(culprit) if culprit is not None else None
