@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sddoctor.instrument.faults import Fault, faults_from_env
+from sddoctor.instrument.faults import Fault, exit_if_outside_world, faults_from_env
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
@@ -112,6 +112,9 @@ class RankSession:
         if fault.kind == "sleep" and fault.get("seq") is None:
             every = fault.get("every")
             if at is None or step == at or (every and step >= at and (step - at) % every == 0):
+                if fault.spec not in self._fired:  # one `fault` event, the first time it fires
+                    self._fired.add(fault.spec)
+                    self.writer.emit(EventKind.FAULT, fault=fault.spec, step=step, caller=_caller())
                 time.sleep(float(fault.get("seconds")))  # type: ignore[arg-type]
             return
         if fault.kind not in ("kill", "raise") or at != step or fault.get("seq") is not None:
@@ -235,6 +238,7 @@ class RankSession:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        exit_if_outside_world(self.all_faults, world)
         if not self.rank_known:
             self.set_rank(rank, world)
         elif world != self.world_size:
