@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sddoctor import exitcodes
 from sddoctor.telemetry import RunDir, new_run_dir
+from sddoctor.telemetry.redact import redact_argv
 
 RUN_EPILOG = """\
 examples:
@@ -20,23 +22,21 @@ examples:
   sddoctor run -- accelerate launch --num_processes 2 train.py
   sddoctor run --preflight -- torchrun --nproc-per-node 8 train.py    check NCCL/GPUs first
   SDDOCTOR_FAULT='skip:rank=1,seq=12' sddoctor run --hang-timeout 5 -- torchrun --nproc-per-node 2 train.py
-  sddoctor run --port 8765 --peers node1:8765 -- torchrun --nnodes 2 --node-rank 0 ...
+  sddoctor run --bind 0.0.0.0 --token-file ~/.sddoctor-token --peers node1:8765 -- torchrun --nnodes 2 ...
 
-exit codes:
-  0     the job succeeded
-  N     the job's own exit code (128+S when the launcher died of signal S)
-  2     usage error (bad option, no command, malformed SDDOCTOR_FAULT, unusable --run-dir)
-  3     --preflight found a `fail` and the job was not launched (--preflight-continue launches anyway)
-  124   sddoctor killed the job because it hung (--on-hang kill)
-  127   the launcher command was not found
-  130   interrupted (Ctrl-C); 143 on SIGTERM
+The state endpoint (/api/state, /metrics) listens on 127.0.0.1:8765 by default. When 8765 is
+taken (a second run on this host) it moves to a free port and says so; a --port you chose that
+is taken is an error (exit 2). A --bind other than loopback needs a token (--token-file, or
+$SDDOCTOR_TOKEN, or one made and printed at start) or --insecure. Security: SECURITY.md.
+
+{exit_codes}
 
 The report (report.json, report.md) and stacks land in the run directory; `sddoctor report DIR`
 prints it again. Details and the report schema: docs/run.md.
-"""
+""".format(exit_codes=exitcodes.help_block("run"))
 
 #: `--preflight` found a `fail` and nothing was launched
-EXIT_PREFLIGHT_FAILED = 3
+EXIT_PREFLIGHT_FAILED = exitcodes.PREFLIGHT_FAILED
 PREFLIGHT_TIMEOUT = 30.0
 
 REPORT_EPILOG = """\
@@ -44,13 +44,13 @@ examples:
   sddoctor report sddoctor-runs/run-20261202-101500
   sddoctor report --json runs/my-trainer-run
   sddoctor report                      # the latest run under ./sddoctor-runs and ./runs
+  sddoctor report --json DIR | jq .verdicts
 
-exit codes:
-  0   report printed; no error-level finding
-  1   report printed; at least one error-level finding (hang, crash, OOM, diverged replicas), or
-      a `sddoctor run --preflight` that failed and launched nothing
-  2   usage error: no such run directory, or nothing in it to diagnose
-"""
+A run whose supervisor died (kill -9, the OOM killer) is diagnosed from its files, and the
+report says when the supervisor was last seen alive.
+
+{exit_codes}
+""".format(exit_codes=exitcodes.help_block("report"))
 
 
 def _positive(text: str) -> float:
@@ -83,6 +83,8 @@ def _port(text: str) -> int:
 
 
 def run_parser() -> argparse.ArgumentParser:
+    from sddoctor.supervise.http import DEFAULT_PORT
+
     p = argparse.ArgumentParser(
         prog="sddoctor run",
         description="Run a distributed job under supervision; explain hangs, crashes, stragglers and OOMs.",
@@ -114,11 +116,25 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port",
         type=_port,
-        default=0,
-        help="port of the state endpoint (/api/state, /metrics); 0 = any free port (default), -1 = off",
+        default=None,
+        help=f"port of the state endpoint (/api/state, /metrics); default {DEFAULT_PORT} (a free port "
+        "when that is taken), 0 = any free port, -1 = no endpoint",
     )
     p.add_argument(
-        "--bind", default="127.0.0.1", help="address the state endpoint listens on (default 127.0.0.1)"
+        "--bind",
+        default="127.0.0.1",
+        help="address the state endpoint listens on (default 127.0.0.1); any other needs a token or --insecure",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="bearer token of the endpoint (first line of FILE; also $SDDOCTOR_TOKEN); give every node of "
+        "a --peers job the same one. Without it a non-loopback --bind makes one and prints it once",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback --bind without a token (anyone who can reach the port reads the state)",
     )
     p.add_argument(
         "--peers",
@@ -145,45 +161,36 @@ def run_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """`sddoctor run`."""
-    from sddoctor.instrument.faults import FAULT_ENV, FaultSpecError, parse_faults
+    from sddoctor.instrument.faults import FAULT_ENV
     from sddoctor.supervise import launch
-    from sddoctor.supervise.supervisor import EXIT_NOT_FOUND, EXIT_USAGE, Options, Supervisor
+    from sddoctor.supervise.http import TOKEN_ENV
+    from sddoctor.supervise.supervisor import Options, Supervisor
 
     parser = run_parser()
     args = parser.parse_args(argv)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
-        print(
-            "sddoctor run: no command to run; write it after `--`, e.g. "
-            "`sddoctor run -- torchrun --nproc-per-node 2 train.py`",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+    problem = _check_command(command)
+    if problem is not None:
+        code, message = problem
+        print(f"sddoctor run: {message}", file=sys.stderr)
+        return code
     try:
-        parse_faults(os.environ.get(FAULT_ENV))
-    except FaultSpecError as exc:
+        server, note = _bind_endpoint(args)
+    except ValueError as exc:
         print(f"sddoctor run: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if launch.resolve_executable(command) is None:
-        print(
-            f"sddoctor run: command not found: {command[0]!r}; check the spelling or your PATH",
-            file=sys.stderr,
-        )
-        return EXIT_NOT_FOUND
+        return exitcodes.USAGE
     try:
-        if args.run_dir:
-            run_dir = RunDir(Path(args.run_dir).resolve()).ensure()
-        else:
-            run_dir = new_run_dir(Path("sddoctor-runs").resolve())
-    except OSError as exc:
-        print(
-            f"sddoctor run: cannot create the run directory: {exc}; choose another with --run-dir",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        run_dir = _make_run_dir(args.run_dir)
+        token, generated = _endpoint_token(args, server, run_dir)
+    except ValueError as exc:
+        if server is not None:
+            server.stop()
+        print(f"sddoctor run: {exc}", file=sys.stderr)
+        return exitcodes.USAGE
     env, warning = launch.rank_env(run_dir.path)
+    env.pop(TOKEN_ENV, None)  # the ranks need no key to our endpoint
     kind = launch.launcher_kind(command)
     preflight_failed = False
     if args.preflight:
@@ -191,7 +198,8 @@ def main(argv: list[str]) -> int:
         # The ranks need not repeat the checks (the bundled trainer runs them at start otherwise).
         env["SDDOCTOR_PREFLIGHT"] = "0"
     info: dict[str, Any] = run_dir.write_run_info(
-        command=command,
+        schema=RUN_SCHEMA,
+        command=redact_argv(command),
         started=time.time(),
         started_iso=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         host=socket.gethostname(),
@@ -204,9 +212,13 @@ def main(argv: list[str]) -> int:
             "hang_timeout": args.hang_timeout,
             "on_hang": args.on_hang,
             "straggler_ratio": args.straggler_ratio,
+            "bind": args.bind if server is not None else None,
+            "auth": "token" if token else "none",
         },
     )
     if preflight_failed and not args.preflight_continue:
+        if server is not None:
+            server.stop()
         return _stop_for_preflight(run_dir, info, as_json=args.json)
     opts = Options(
         command=command,
@@ -216,23 +228,116 @@ def main(argv: list[str]) -> int:
         hang_timeout=args.hang_timeout,
         on_hang=args.on_hang,
         straggler_ratio=args.straggler_ratio,
-        port=None if args.port == -1 else args.port,
+        port=None,
         bind=args.bind,
         native=args.native,
         quiet=args.quiet,
         peers=[p.strip() for p in args.peers.split(",") if p.strip()],
         node_rank=info["node_rank"],
+        server=server,
+        token=token,
     )
     sup = Supervisor(opts)
-    if warning:
-        sup.say(warning)
+    for line in (warning, note):
+        if line:
+            sup.say(line)
+    if generated:
+        _say_always(
+            f"[sddoctor] endpoint token (shown once; clients send 'Authorization: Bearer <token>'; "
+            f"stored in {run_dir.path / 'endpoint.token'}, mode 0600): {token}"
+        )
+    elif server is not None and token is None and not _loopback(args.bind):
+        _say_always(
+            f"[sddoctor] warning: --insecure: anyone who can reach {args.bind}:{server.port} reads the job's state"
+        )
     try:
         code, report = sup.run()
     except FileNotFoundError as exc:
         print(f"sddoctor run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
+        return exitcodes.NOT_FOUND
     _print_result(report, run_dir, as_json=args.json)
     return code
+
+
+RUN_SCHEMA = "sddoctor.run/1"
+
+
+def _check_command(command: list[str]) -> tuple[int, str] | None:
+    """(exit code, message) when the command cannot be run: none, a bad SDDOCTOR_FAULT, no launcher."""
+    from sddoctor.instrument.faults import FAULT_ENV, FaultSpecError, check_world, parse_faults
+    from sddoctor.supervise import launch
+
+    if not command:
+        return exitcodes.USAGE, (
+            "no command to run; write it after `--`, e.g. `sddoctor run -- torchrun --nproc-per-node 2 train.py`"
+        )
+    try:
+        check_world(parse_faults(os.environ.get(FAULT_ENV)), launch.world_size_hint(command))
+    except FaultSpecError as exc:
+        return exitcodes.USAGE, str(exc)
+    if launch.resolve_executable(command) is None:
+        if os.sep in command[0] and os.path.exists(command[0]):
+            return exitcodes.NOT_EXECUTABLE, (
+                f"{command[0]!r} exists but cannot be executed; `chmod +x` it or run it through its interpreter"
+            )
+        return exitcodes.NOT_FOUND, f"command not found: {command[0]!r}; check the spelling or your PATH"
+    return None
+
+
+def _bind_endpoint(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """Listen before anything else is created, so a taken port stops the run with nothing to clean up."""
+    from sddoctor.supervise.http import DEFAULT_PORT, EndpointError, PortInUse, open_endpoint
+
+    if args.port == -1:
+        return None, None
+    port = DEFAULT_PORT if args.port is None else args.port
+    try:
+        return open_endpoint(args.bind, port, explicit=args.port is not None, token=None)
+    except PortInUse as exc:
+        raise ValueError(
+            f"{exc}; choose another with --port N, --port 0 for any free port, or --port -1 for no endpoint"
+        ) from None
+    except EndpointError as exc:
+        raise ValueError(f"--bind {args.bind} --port {port}: {exc}") from None
+
+
+def _make_run_dir(path: str | None) -> RunDir:
+    try:
+        if path:
+            return RunDir(Path(path).resolve()).ensure()
+        return new_run_dir(Path("sddoctor-runs").resolve())
+    except OSError as exc:
+        raise ValueError(f"cannot create the run directory: {exc}; choose another with --run-dir") from None
+
+
+def _endpoint_token(args: argparse.Namespace, server: Any, run_dir: RunDir) -> tuple[str | None, bool]:
+    """(token, generated): a token is needed off loopback (unless --insecure) and used whenever given."""
+    from sddoctor.supervise.http import TOKEN_ENV, EndpointError, endpoint_token
+
+    if server is None:
+        return None, False
+    given = bool(args.token_file or os.environ.get(TOKEN_ENV, "").strip())
+    if not given and (args.insecure or _loopback(args.bind)):
+        return None, False
+    try:
+        token, generated = endpoint_token(run_dir.path, args.token_file)
+    except EndpointError as exc:
+        raise ValueError(str(exc)) from None
+    server.token = token
+    return token, generated
+
+
+def _loopback(host: str) -> bool:
+    from sddoctor.supervise.http import is_loopback
+
+    return is_loopback(host)
+
+
+def _say_always(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _preflight(run_dir: RunDir, *, quiet: bool) -> bool:
@@ -270,11 +375,11 @@ def _preflight(run_dir: RunDir, *, quiet: bool) -> bool:
 
 def _stop_for_preflight(run_dir: RunDir, info: dict[str, Any], *, as_json: bool) -> int:
     """Write a report that says why nothing was launched; exit EXIT_PREFLIGHT_FAILED."""
-    from sddoctor.supervise.report import attach_preflight, write_report
+    from sddoctor.supervise.report import REPORT_SCHEMA, REPORT_VERSION, attach_preflight, write_report
 
     report: dict[str, Any] = {
-        "schema": "sddoctor.report",
-        "version": 1,
+        "schema": REPORT_SCHEMA,
+        "version": REPORT_VERSION,
         "generated": time.time(),
         "run": info,
         "outcome": "preflight_failed",

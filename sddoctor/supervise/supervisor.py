@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from sddoctor.supervise import flightrec, stacks
 from sddoctor.supervise.diagnose import diagnose, rank_exit
-from sddoctor.supervise.http import StateServer
+from sddoctor.supervise.http import EndpointError, StateServer, get_state
+from sddoctor.supervise.metrics import RunMetrics
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RunState, Verdict
@@ -50,6 +49,10 @@ class Options:
     peers: list[str] = field(default_factory=list)
     node_rank: int = 0
     out: TextIO = sys.stderr
+    #: the endpoint, bound by `sddoctor run` before anything starts (a taken port is a usage error)
+    server: StateServer | None = None
+    #: bearer token of the endpoint, also sent to --peers (every node is given the same one)
+    token: str | None = None
 
 
 class Supervisor:
@@ -76,6 +79,7 @@ class Supervisor:
         self.killed_for_hang = False
         self.handling_hang = False  # a hang diagnosed and not resolved: peers take their stacks too
         self.server: StateServer | None = None
+        self.metrics: RunMetrics | None = None
         self.remote: dict[str, dict[str, Any]] = {}
         self._published: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -84,22 +88,28 @@ class Supervisor:
 
     def say(self, text: str) -> None:
         if not self.opts.quiet:
-            print(f"[sddoctor] {text}", file=self.opts.out, flush=True)
+            try:
+                print(f"[sddoctor] {text}", file=self.opts.out, flush=True)
+            except (OSError, ValueError):
+                pass  # our terminal is gone (closed SSH session): supervising goes on
 
     # -- main -----------------------------------------------------------------------------------
 
     def run(self) -> tuple[int, dict[str, Any]]:
         become_subreaper()
-        if self.opts.port is not None:
+        if self.opts.server is None and self.opts.port is not None:
             try:
-                self.server = StateServer(self.api_state, self.opts.bind, self.opts.port).start()
-                self.opts.run_info["endpoint"] = self.server.url
-                self.opts.run_dir.write_run_info(endpoint=self.server.url)
-                self.say(f"state: {self.server.url}/api/state  metrics: {self.server.url}/metrics")
-            except OSError as exc:
-                self.say(
-                    f"cannot serve state on {self.opts.bind}:{self.opts.port}: {exc}; continuing without"
+                self.opts.server = StateServer(
+                    host=self.opts.bind, port=self.opts.port, token=self.opts.token
                 )
+            except EndpointError as exc:
+                self.say(f"cannot serve state: {exc}; continuing without")
+        if self.opts.server is not None:
+            self.metrics = RunMetrics(self.opts.run_dir, gpu_source=_gpu_source())
+            self.server = self.opts.server.start(self.api_state, self.metrics.render)
+            self.opts.run_info["endpoint"] = self.server.url
+            self.opts.run_dir.write_run_info(endpoint=self.server.url)
+            self.say(f"state: {self.server.url}/api/state  metrics: {self.server.url}/metrics")
         self.say(f"run dir: {self.opts.run_dir.path}")
         restore = install_forwarding(self.job, self.signals.append)
         peer_thread = None
@@ -344,6 +354,8 @@ class Supervisor:
         }
         with self._lock:
             self._published = snapshot
+        if self.metrics is not None:
+            self.metrics.update(state, self.verdicts, hang_handled=self.handling_hang)
 
     def api_state(self) -> dict[str, Any]:
         with self._lock:
@@ -353,13 +365,21 @@ class Supervisor:
         """Poll the other nodes' supervisors; their ranks join this node's diagnosis."""
         while self.job.exit_code is None:
             for peer in self.opts.peers:
-                url = peer if peer.startswith("http") else f"http://{peer}"
                 try:
-                    with urllib.request.urlopen(f"{url}/api/state", timeout=2.0) as resp:
-                        self.remote[peer] = json.loads(resp.read())
+                    self.remote[peer] = get_state(peer, self.opts.token, timeout=2.0)
                 except (OSError, ValueError):
                     continue
             time.sleep(POLL_SECONDS)
+
+
+def _gpu_source() -> object | None:
+    """Local GPUs for /metrics (NVML opened in the background; None without the module)."""
+    try:
+        from sddoctor.gpu.source import NvmlSource
+
+        return NvmlSource(pcie_interval=0, open_in_background=True)
+    except Exception:  # noqa: BLE001 - GPU series are optional
+        return None
 
 
 def _merge(first: list[Verdict], rest: list[Verdict]) -> list[Verdict]:
