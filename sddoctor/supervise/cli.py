@@ -164,6 +164,7 @@ def main(argv: list[str]) -> int:
     from sddoctor.instrument.faults import FAULT_ENV
     from sddoctor.supervise import launch
     from sddoctor.supervise.http import TOKEN_ENV
+    from sddoctor.supervise.lifecycle import job_environment
     from sddoctor.supervise.supervisor import Options, Supervisor
 
     parser = run_parser()
@@ -183,6 +184,7 @@ def main(argv: list[str]) -> int:
         return exitcodes.USAGE
     try:
         run_dir = _make_run_dir(args.run_dir)
+        lease = _take_lease(run_dir)
         token, generated = _endpoint_token(args, server, run_dir)
     except ValueError as exc:
         if server is not None:
@@ -191,6 +193,7 @@ def main(argv: list[str]) -> int:
         return exitcodes.USAGE
     env, warning = launch.rank_env(run_dir.path)
     env.pop(TOKEN_ENV, None)  # the ranks need no key to our endpoint
+    env.update(job_environment(lease))  # every process of the job watches the supervisor
     kind = launch.launcher_kind(command)
     preflight_failed = False
     if args.preflight:
@@ -219,7 +222,9 @@ def main(argv: list[str]) -> int:
     if preflight_failed and not args.preflight_continue:
         if server is not None:
             server.stop()
-        return _stop_for_preflight(run_dir, info, as_json=args.json)
+        code = _stop_for_preflight(run_dir, info, as_json=args.json)
+        lease.end("preflight_failed", code)
+        return code
     opts = Options(
         command=command,
         run_dir=run_dir,
@@ -253,8 +258,10 @@ def main(argv: list[str]) -> int:
     try:
         code, report = sup.run()
     except FileNotFoundError as exc:
+        lease.end("not_started", exitcodes.NOT_FOUND)
         print(f"sddoctor run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
         return exitcodes.NOT_FOUND
+    lease.end(str(report.get("outcome")), code)
     _print_result(report, run_dir, as_json=args.json)
     return code
 
@@ -308,6 +315,18 @@ def _make_run_dir(path: str | None) -> RunDir:
         return new_run_dir(Path("sddoctor-runs").resolve())
     except OSError as exc:
         raise ValueError(f"cannot create the run directory: {exc}; choose another with --run-dir") from None
+
+
+def _take_lease(run_dir: RunDir) -> Any:
+    """Lock the run directory for this supervisor (the job's processes watch the lock)."""
+    from sddoctor.supervise.lifecycle import LeaseHeld, SupervisorLease
+
+    try:
+        return SupervisorLease(run_dir.path)
+    except LeaseHeld as exc:
+        raise ValueError(str(exc)) from None
+    except OSError as exc:
+        raise ValueError(f"cannot write {run_dir.path}: {exc}; choose another --run-dir") from None
 
 
 def _endpoint_token(args: argparse.Namespace, server: Any, run_dir: RunDir) -> tuple[str | None, bool]:
@@ -428,31 +447,18 @@ def report_parser() -> argparse.ArgumentParser:
 
 def report_main(argv: list[str]) -> int:
     """`sddoctor report`."""
-    from sddoctor.supervise.offline import diagnose_run_dir
+    from sddoctor.supervise.lifecycle import describe, lease_status
+    from sddoctor.supervise.offline import diagnose_run_dir, load_report
     from sddoctor.supervise.report import render_markdown, render_summary
-    from sddoctor.telemetry import find_latest_run, read_json
+    from sddoctor.telemetry.validate import PROBLEMS
 
     args = report_parser().parse_args(argv)
-    if args.run_dir:
-        run_dir = RunDir(args.run_dir)
-        if not run_dir.path.is_dir():
-            print(
-                f"sddoctor report: {args.run_dir!r} is not a directory; give a run directory "
-                "(one with run.json or ranks/)",
-                file=sys.stderr,
-            )
-            return 2
-    else:
-        found = find_latest_run("sddoctor-runs", "runs")
-        if found is None:
-            print(
-                "sddoctor report: no run directory found under ./sddoctor-runs or ./runs; "
-                "give one: sddoctor report DIR",
-                file=sys.stderr,
-            )
-            return 2
-        run_dir = found
-    report = None if args.rediagnose else read_json(run_dir.report_json)
+    run_dir, problem = _report_run_dir(args.run_dir)
+    if problem is not None:
+        print(f"sddoctor report: {problem}", file=sys.stderr)
+        return exitcodes.USAGE
+    assert run_dir is not None
+    report = None if args.rediagnose else load_report(run_dir)
     if report is None:
         if not run_dir.ranks_dir.is_dir() and not run_dir.run_json.exists():
             print(
@@ -460,13 +466,63 @@ def report_main(argv: list[str]) -> int:
                 "not a sddoctor or trainer run directory",
                 file=sys.stderr,
             )
-            return 2
-        report = diagnose_run_dir(run_dir)
+            return exitcodes.USAGE
+        try:
+            report = diagnose_run_dir(run_dir)
+        except Exception as exc:  # noqa: BLE001 - telemetry that the readers let through and the diagnosis cannot use
+            if os.environ.get("SDDOCTOR_DEBUG"):
+                raise
+            print(
+                f"sddoctor report: cannot diagnose {run_dir.path}: its telemetry is not what sddoctor writes "
+                f"({type(exc).__name__}: {exc}); SDDOCTOR_DEBUG=1 shows where",
+                file=sys.stderr,
+            )
+            return exitcodes.USAGE
+    supervisor = lease_status(run_dir.path)
+    if supervisor is not None:
+        report["supervisor"] = supervisor
+    warning = PROBLEMS.summary()
+    if warning:
+        print(f"sddoctor report: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif args.markdown:
         print(render_markdown(report))
     else:
-        print(render_summary(report, str(run_dir.path)))
+        print("\n".join([render_summary(report, str(run_dir.path)), *describe(supervisor)]))
     errors = [v for v in report.get("verdicts") or [] if v.get("severity") == "error"]
-    return 1 if errors or report.get("outcome") == "preflight_failed" else 0
+    failed = errors or report.get("outcome") == "preflight_failed"
+    return exitcodes.FINDINGS if failed else exitcodes.OK
+
+
+def _report_run_dir(given: str | None) -> tuple[RunDir | None, str | None]:
+    """(run dir, None) or (None, the one-line problem)."""
+    from sddoctor.telemetry import find_latest_run
+
+    if given is None:
+        try:
+            found = find_latest_run("sddoctor-runs", "runs")
+        except OSError as exc:
+            return None, f"cannot look for runs here: {exc}; give one: sddoctor report DIR"
+        if found is None:
+            return (
+                None,
+                "no run directory found under ./sddoctor-runs or ./runs; give one: sddoctor report DIR",
+            )
+        run_dir = found
+    else:
+        run_dir = RunDir(given)
+    for folder in (run_dir.path, run_dir.ranks_dir):
+        try:
+            os.listdir(folder)
+        except PermissionError:
+            return None, f"{folder} cannot be read (permission denied); run as its owner or fix its mode"
+        except (FileNotFoundError, NotADirectoryError):
+            if folder == run_dir.path:
+                return (
+                    None,
+                    f"{given!r} is not a directory; give a run directory (one with run.json or ranks/)",
+                )
+        except OSError as exc:
+            return None, f"{folder} cannot be read ({exc.strerror or exc})"
+    return run_dir, None

@@ -24,6 +24,8 @@ from typing import IO, Any
 
 import psutil
 
+from sddoctor.supervise.lifecycle import StderrLog, die_with_parent
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -71,17 +73,27 @@ class Job:
     _not_ranks: set[int] = field(default_factory=set)
 
     def start(self, stderr_sink: IO[str] | None = None) -> None:
-        """Start the launcher in a new session; tee its stderr into `stderr_sink` and a tail."""
+        """Start the launcher in a new session; tee its stderr into `stderr_sink` and a tail.
+
+        Its stderr is RUN_DIR/stderr.log, followed from here (a file cannot break or fill up
+        like a pipe), and it gets SIGTERM if this process dies (see `lifecycle`)."""
+        log = StderrLog(self.run_dir)
         self.popen = subprocess.Popen(
             self.command,
             env=self.env,
             stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=log.fd,
             start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         self.descendants[self.popen.pid] = psutil.Process(self.popen.pid)
         sink = sys.stderr if stderr_sink is None else stderr_sink
-        tee = threading.Thread(target=self._tee_stderr, args=(sink,), name="sddoctor-stderr", daemon=True)
+        tee = threading.Thread(
+            target=log.follow,
+            args=(sink, self.stderr_tail.append, self._stop_death_watch),
+            name="sddoctor-stderr",
+            daemon=True,
+        )
         tee.start()
         death = threading.Thread(target=self._death_watch, name="sddoctor-deaths", daemon=True)
         death.start()
@@ -91,17 +103,6 @@ class Job:
     def pid(self) -> int:
         assert self.popen is not None
         return self.popen.pid
-
-    def _tee_stderr(self, sink: IO[str]) -> None:
-        assert self.popen is not None and self.popen.stderr is not None
-        for raw in iter(self.popen.stderr.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            self.stderr_tail.append(line.rstrip("\n"))
-            try:
-                sink.write(line)
-                sink.flush()
-            except (OSError, ValueError):
-                pass
 
     def poll(self) -> int | None:
         """The launcher's exit code once it has ended (negative: killed by that signal)."""

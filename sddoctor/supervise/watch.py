@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from sddoctor.supervise.state import Arrival, RankState, RunState
-from sddoctor.telemetry import EventTail, RunDir, read_json
+from sddoctor.telemetry import EventTail, RunDir, read_state
 
 #: Event kinds the diagnosis keeps (steps and summaries are only counted).
 _KEPT = {"exception", "oom", "fallback", "fault", "exit", "start", "warning", "replicas"}
@@ -48,7 +48,7 @@ class Watcher:
             tail = self._tails.setdefault(rank_id, EventTail(self.run_dir.events_file(rank_id)))
             for event in tail.poll():
                 self._on_event(rank, event, now)
-            snapshot = read_json(self.run_dir.state_file(rank_id))
+            snapshot = read_state(self.run_dir.state_file(rank_id))
             if snapshot is not None:
                 self._on_snapshot(rank, snapshot, now)
 
