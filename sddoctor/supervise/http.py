@@ -189,6 +189,9 @@ class _Server(ThreadingHTTPServer):
                 except OSError:
                     pass
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that went away (or was cut off) is not news for the job's terminal
+
     def server_close(self) -> None:
         self._closing.set()
         super().server_close()
