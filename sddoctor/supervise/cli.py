@@ -372,7 +372,7 @@ def _preflight(run_dir: RunDir, *, quiet: bool) -> bool:
     findings = run_preflight(quick=True, collective=True, timeout=PREFLIGHT_TIMEOUT)
     worst = worst_severity(findings)
     record = {
-        "v": 1,
+        "schema": "sddoctor.preflight/1",
         "t": t0,
         "seconds": round(time.time() - t0, 2),
         "worst": worst,

@@ -11,6 +11,10 @@ from __future__ import annotations
 from enum import Enum
 
 SCHEMA_VERSION = 1
+#: The marker of a state snapshot (`ranks/rank-NNNNN.state`). Events carry only `v`, the version
+#: of the event schema (`sddoctor.events/<v>`): a marker string on every line would cost about a
+#: tenth of the bytes of a step.
+STATE_SCHEMA = f"sddoctor.rank-state/{SCHEMA_VERSION}"
 
 
 class EventKind(str, Enum):
