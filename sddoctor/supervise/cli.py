@@ -498,6 +498,7 @@ def report_main(argv: list[str]) -> int:
 def _report_run_dir(given: str | None) -> tuple[RunDir | None, str | None]:
     """(run dir, None) or (None, the one-line problem)."""
     from sddoctor.telemetry import find_latest_run
+    from sddoctor.telemetry.reader import unreadable
 
     if given is None:
         try:
@@ -512,17 +513,9 @@ def _report_run_dir(given: str | None) -> tuple[RunDir | None, str | None]:
         run_dir = found
     else:
         run_dir = RunDir(given)
-    for folder in (run_dir.path, run_dir.ranks_dir):
-        try:
-            os.listdir(folder)
-        except PermissionError:
-            return None, f"{folder} cannot be read (permission denied); run as its owner or fix its mode"
-        except (FileNotFoundError, NotADirectoryError):
-            if folder == run_dir.path:
-                return (
-                    None,
-                    f"{given!r} is not a directory; give a run directory (one with run.json or ranks/)",
-                )
-        except OSError as exc:
-            return None, f"{folder} cannot be read ({exc.strerror or exc})"
+    problem = unreadable(run_dir.path)
+    if problem is not None:
+        return None, problem
+    if not run_dir.path.is_dir():
+        return None, f"{given!r} is not a directory; give a run directory (one with run.json or ranks/)"
     return run_dir, None

@@ -66,7 +66,9 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         counts = self.counts or [0] * len(self.bounds)
-        return [(_le(b), float(c)) for b, c in zip(self.bounds, counts, strict=True)] + [("+Inf", float(self.n))]
+        return [(_le(b), float(c)) for b, c in zip(self.bounds, counts, strict=True)] + [
+            ("+Inf", float(self.n))
+        ]
 
 
 def _le(bound: float) -> str:

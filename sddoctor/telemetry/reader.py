@@ -29,6 +29,22 @@ def _source(path: str | os.PathLike[str]) -> str:
     return f"{p.parent.name}/{p.name}" if p.parent.name == "ranks" else p.name
 
 
+def unreadable(run_dir: str | os.PathLike[str]) -> str | None:
+    """Why a run directory (or its ranks/ folder) cannot be read, in a few words; None if it can.
+    A missing directory is not this function's business (the caller says "no such directory")."""
+    base = Path(run_dir)
+    for folder in (base, base / "ranks"):
+        try:
+            os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except PermissionError:
+            return f"{folder} cannot be read (permission denied); run as its owner or fix its mode"
+        except OSError as exc:
+            return f"{folder} cannot be read ({exc.strerror or exc})"
+    return None
+
+
 def read_json(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any] | None:
     """A JSON object from a file, or None if it is missing, unreadable, too large or not an object."""
     try:

@@ -93,6 +93,7 @@ def make_feed(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The rank feed the arguments ask for (None: no run). Raises ValueError with a user message."""
     from sddoctor.gpu.rankfeeds import HttpFeed, MultiFeed, RunDirFeed
     from sddoctor.telemetry import find_latest_run
+    from sddoctor.telemetry.reader import unreadable
 
     feeds = []
     if args.run_dir:
@@ -101,6 +102,9 @@ def make_feed(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             raise ValueError(
                 f"--run-dir {args.run_dir}: no such directory; pass a run directory such as ./sddoctor-runs/run-..."
             )
+        problem = unreadable(path)
+        if problem is not None:
+            raise ValueError(f"--run-dir: {problem}")
         feeds.append(RunDirFeed(path))
     for ep in args.connect:
         checked = _check_endpoint(ep)
