@@ -59,7 +59,7 @@ TABLE: list[tuple[str, str, str]] = [
         "all",
         "interrupted by signal S: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (run: also the launcher killed by S)",
     ),
-    ("141", "all", "the reader of the output went away (`| head`); sddoctor stops quietly"),
+    ("141", "all", "the reader of the output went away (piped into `head`); sddoctor stops quietly"),
     ("N", "run", "any other code is the job's own exit code"),
 ]
 

@@ -117,8 +117,12 @@ class HttpFeed:
         import urllib.request
 
         report = RankReport(sources=[self.label])
+        request = urllib.request.Request(self.url)
+        token = os.environ.get("SDDOCTOR_TOKEN", "").strip()
+        if token:  # an endpoint off loopback wants it (docs/run.md#state-endpoint)
+            request.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
                 payload = json.loads(resp.read().decode("utf-8"))
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)

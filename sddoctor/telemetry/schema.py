@@ -56,5 +56,6 @@ WARNING_CODES: dict[str, str] = {
     "bad_input": "the trainer stopped on bad user input (config, data or model folder, --resume); message says what",
     "skipped_images": "the trainer skipped unreadable images in the data folder; message gives the count",
     "replicas_differ": "the ranks' weights differ after training: DDP replicas diverged (an error verdict)",
+    "supervisor_gone": "the sddoctor run supervisor died; the rank stops itself (SIGTERM, then SIGKILL)",
     "<finding id>": "a preflight finding at trainer start (e.g. shm.size), with source='preflight', severity, remedy",
 }
