@@ -30,6 +30,7 @@ from typing import Any
 
 from sddoctor.instrument.faults import Fault, exit_if_outside_world, faults_from_env
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
+from sddoctor.telemetry.redact import redact_argv
 from sddoctor.telemetry.schema import EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
 
@@ -315,7 +316,7 @@ def enable(
         host=socket.gethostname(),
         local_rank=local_rank,
         world_size=world_size,
-        argv=list(sys.argv),
+        argv=redact_argv(sys.argv),
         **start_fields,
     )
     if trace:

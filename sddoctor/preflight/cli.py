@@ -20,6 +20,7 @@ from sddoctor.preflight.findings import (
     sort_findings,
     worst_severity,
 )
+from sddoctor.telemetry.redact import redact_env
 
 EXIT_USAGE = exitcodes.USAGE
 EXIT_INTERRUPTED = exitcodes.INTERRUPTED
@@ -229,7 +230,7 @@ def to_json(report: Any, code: int, elapsed: float) -> dict[str, Any]:
             "gpus": [asdict(g) for g in topo.gpus],
             "pairs": [dict(asdict(p), label=p.label) for p in topo.pairs],
             "torch": asdict(snap.torch),
-            "env": snap.env,
+            "env": redact_env(snap.env),
             "shm_bytes": snap.shm_total,
             "memlock": snap.memlock,
             "nofile": snap.nofile,
