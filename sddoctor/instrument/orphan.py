@@ -62,18 +62,24 @@ def _restart_in_child(path: str) -> None:
         pass
 
 
-def supervisor_gone(fd: int) -> bool:
-    """True when nobody holds the supervisor's lock on the lease file behind `fd`."""
+def lease_locked(fd: int) -> bool | None:
+    """Whether someone holds an exclusive lock on the lease file behind `fd` (None: cannot tell,
+    e.g. a file system without locks). Takes and drops a shared lock to find out."""
     import fcntl
 
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False  # the supervisor holds it: alive
+        return True
     except OSError:
-        return False  # locks not supported here: cannot tell, so never act
+        return None
     fcntl.flock(fd, fcntl.LOCK_UN)
-    return True
+    return False
+
+
+def supervisor_gone(fd: int) -> bool:
+    """True when nobody holds the supervisor's lock on the lease behind `fd` (never when unsure)."""
+    return lease_locked(fd) is False
 
 
 def _watch(fd: int) -> None:

@@ -115,23 +115,18 @@ def lease_status(run_dir: str | os.PathLike[str], now: float | None = None) -> d
 
 
 def _lock_held(path: Path) -> bool | None:
-    try:
-        import fcntl
-    except ImportError:
-        return None
+    from sddoctor.instrument.orphan import lease_locked
+
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
+        return lease_locked(fd)
+    except ImportError:  # no fcntl: not a POSIX system
         return None
     finally:
-        os.close(fd)  # closing drops a lock we took
-    return False
+        os.close(fd)
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
