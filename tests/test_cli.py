@@ -42,3 +42,18 @@ def test_one_exit_code_table_in_docs_and_in_every_help():
         )
         assert out.returncode == 0 and "one table for every sddoctor command" in out.stdout, command
         assert f"\n  {must}" in out.stdout, (command, out.stdout)
+
+
+def test_a_bug_is_one_line_and_exit_70_unless_debugging(monkeypatch, capsys):
+    import sddoctor.cli as cli
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "boom", ("json:loads", "raises"))  # json.loads([]) -> TypeError
+    monkeypatch.delenv("SDDOCTOR_DEBUG", raising=False)
+    assert cli.main(["boom"]) == 70
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error: TypeError" in err and "SDDOCTOR_DEBUG=1" in err
+    monkeypatch.setenv("SDDOCTOR_DEBUG", "1")
+    import pytest
+
+    with pytest.raises(TypeError):
+        cli.main(["boom"])

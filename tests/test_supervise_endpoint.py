@@ -349,3 +349,14 @@ def test_insecure_serves_without_a_token_and_says_so(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "--insecure: anyone who can reach" in res.stderr
     assert not (res.run_dir / "endpoint.token").exists()
+
+
+def test_peers_send_the_token():
+    server = StateServer(lambda: {"ranks": {"3": {"step": 1}}}, "127.0.0.1", 0, token=TOKEN).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError):
+            endpoint.get_state(f"127.0.0.1:{server.port}", None)
+        state = endpoint.get_state(f"127.0.0.1:{server.port}", TOKEN)
+        assert state["ranks"]["3"]["step"] == 1
+    finally:
+        server.stop()

@@ -157,10 +157,10 @@ class StderrLog:
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = Path(run_dir) / STDERR_FILE
-        # O_APPEND: every process of the job writes at the end, whatever the others wrote
-        self.fd = os.open(
-            self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600
-        )
+        # O_APPEND: every process of the job writes at the end, whatever the others wrote;
+        # O_TRUNC: a run directory used again does not show the last run's lines again
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self.fd = os.open(self.path, flags, 0o600)
 
     def follow(self, sink: IO[str], on_line: Callable[[str], None], stop: threading.Event) -> None:
         """Copy what the job writes to `sink` and hand each line to `on_line`, until `stop` is set
