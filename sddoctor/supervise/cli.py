@@ -487,7 +487,8 @@ def report_main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif args.markdown:
-        print(render_markdown(report))
+        died = [line.strip() for line in describe(supervisor)]
+        print(render_markdown(report) + "".join(f"\n## Supervisor\n\n{line}\n" for line in died))
     else:
         print("\n".join([render_summary(report, str(run_dir.path)), *describe(supervisor)]))
     errors = [v for v in report.get("verdicts") or [] if v.get("severity") == "error"]
