@@ -163,6 +163,7 @@ def _run_in_process(args: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow  # about 30 s on 2 cores
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(files=run_dirs(), command=st.sampled_from(COMMANDS))
 def test_garbled_run_directories_never_traceback(files, command):
