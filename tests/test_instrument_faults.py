@@ -81,6 +81,20 @@ def test_sleep_before_a_collective_makes_the_others_wait(tmp_path: Path) -> None
     waited = [events(tmp_path, r, "collective")[-1]["ops"]["all_reduce"]["seconds"] for r in (0, 1)]
     # rank 0 sat in all_reduce #3 while rank 1 slept before issuing it
     assert waited[0] - waited[1] > 0.8, waited
+    (fault,) = events(tmp_path, 1, "fault")  # a sleep leaves its event too, once
+    assert (fault["fault"], fault["seq"], fault["caller"]) == ("sleep:rank=1,seconds=1.2,seq=3", 3, LOOP)
+    assert not events(tmp_path, 0, "fault")
+
+
+def test_a_fault_for_a_rank_outside_the_world_stops_the_rank_with_exit_2(tmp_path: Path) -> None:
+    procs = start_ranks(tmp_path, 2, "loop", "2", fault="kill:rank=5,seq=1")
+    try:
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        outs = reap(procs)
+    assert [p.returncode for p in procs] == [2, 2]
+    assert all("outside the world of 2 rank(s)" in out and "Traceback" not in out for out in outs), outs
 
 
 def test_kill_and_raise_at_a_collective(tmp_path: Path) -> None:

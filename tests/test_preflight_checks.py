@@ -348,7 +348,7 @@ def test_crashing_check_becomes_a_finding_and_ordering_is_worst_first():
     assert ids(found) == {"shm.size", "internal.broken"}
     ordered = sort_findings(found)
     assert [f.severity for f in ordered] == ["fail", "warn"]
-    assert exit_code(found) == 2
+    assert exit_code(found) == 1  # a failure (docs/exit-codes.md)
     text = format_findings(found)
     assert text.index("FAIL") < text.index("WARN") and "fix:" in text
 

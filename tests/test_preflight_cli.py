@@ -27,10 +27,11 @@ def test_help_does_not_import_torch_and_documents_exit_codes():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
     assert out.returncode == 0, out.stderr
-    assert "exit codes:" in out.stdout and "64  usage error" in out.stdout and "--quick" in out.stdout
+    assert "exit codes (one table for every sddoctor command" in out.stdout and "--quick" in out.stdout
+    assert "2      usage error" in out.stdout and "3      warnings, and no failure" in out.stdout
 
 
-def test_usage_errors_exit_64_without_traceback():
+def test_usage_errors_exit_2_without_traceback():
     for args, words in (
         (["--sizes", "12Q"], "--sizes"),
         (["--nnodes", "2"], "--master-addr"),
@@ -39,7 +40,7 @@ def test_usage_errors_exit_64_without_traceback():
         (["--timeout", "-1"], "--timeout"),
     ):
         out = check_nccl(*args)
-        assert out.returncode == 64, (args, out.stderr)
+        assert out.returncode == 2, (args, out.stderr)
         assert words in out.stderr and "Traceback" not in out.stderr
 
 
@@ -60,11 +61,11 @@ def test_checks_only_exit_codes_follow_worst_severity(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "result: OK (exit 0)" in out and "shm.size" in out
     monkeypatch.setenv("NCCL_P2P_DISABLED", "1")
-    assert main(["--no-bandwidth", "--color", "never"]) == 1
+    assert main(["--no-bandwidth", "--color", "never"]) == 3  # warnings (docs/exit-codes.md)
     out = capsys.readouterr().out
-    assert "nccl.env.misspelled" in out and "NCCL_P2P_DISABLED" in out and "result: WARNINGS (exit 1)" in out
+    assert "nccl.env.misspelled" in out and "NCCL_P2P_DISABLED" in out and "result: WARNINGS (exit 3)" in out
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuch0")
-    assert main(["--no-bandwidth", "--color", "never"]) == 2
+    assert main(["--no-bandwidth", "--color", "never"]) == 1  # a failure
     out = capsys.readouterr().out
     assert "nccl.env.ifname_missing" in out and "fix:" in out and out.index("FAIL") < out.index("WARN")
 
@@ -79,7 +80,7 @@ def test_rank_that_never_joins_is_a_failure_within_the_timeout_and_nothing_is_le
         "--quick", "--json", "--backend", "gloo", "--timeout", "8", SDDOCTOR_PREFLIGHT_FAULT="hang:1"
     )
     assert time.monotonic() - started < 8 + 20  # the timeout plus starting Python and torch
-    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
     doc = json.loads(out.stdout)
     band = doc["bandwidth"]
     assert band["timed_out"] and band["elapsed"] < 8 + 3
@@ -168,7 +169,7 @@ def test_json_with_a_faked_nvswitch_box(monkeypatch, capsys):
     finally:
         set_nvml_for_tests(None, None)
     doc = json.loads(capsys.readouterr().out)
-    assert code == doc["exit_code"] == 2  # this torch is a CPU build on a GPU box: torch.cpu_build
+    assert code == doc["exit_code"] == 1  # this torch is a CPU build on a GPU box: torch.cpu_build
     found = {f["id"]: f for f in doc["findings"]}
     assert found["torch.cpu_build"]["severity"] == "fail"
     assert found["nccl.env.p2p_disabled"]["severity"] == "warn"  # NVLink box

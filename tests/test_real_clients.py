@@ -71,7 +71,9 @@ def _verdicts(res: Supervised, kind: str) -> list[dict[str, Any]]:
 
 
 def _no_sddoctor_traceback(res: Supervised) -> None:
-    logs = res.stderr + ((res.run_dir / "job.log").read_text() if (res.run_dir / "job.log").exists() else "")
+    logs = res.stderr + (
+        (res.run_dir / "stderr.log").read_text() if (res.run_dir / "stderr.log").exists() else ""
+    )
     bad = sddoctor_tracebacks(logs)
     assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
 
 from sddoctor.supervise import stacks
-from sddoctor.supervise.http import StateServer, prometheus_text
 from sddoctor.supervise.launch import launcher_kind, node_rank_hint, world_size_hint
 from sddoctor.supervise.procs import Job
 from sddoctor.supervise.watch import Watcher
@@ -56,38 +53,6 @@ def test_watcher_sightings_progress_and_exit(tmp_path):
     assert watcher.last_progress == 117.0
     assert watcher.ranks[0].exit["signal"] == 15
     assert watcher.state(now=130.0).stalled_for == 13.0
-
-
-def test_prometheus_text_and_http_endpoint():
-    state = {
-        "v": 1,
-        "node": {"host": "h"},
-        "ranks": {
-            "0": {
-                "step": 7,
-                "last_step": {"loss": 0.5},
-                "alive": True,
-                "collectives": {"last_done": {"seq": 9, "pg": "0"}},
-            },
-            "1": {"collectives": {"inflight": [{"since": 90.0}]}, "alive": True},
-        },
-        "verdicts": [{"kind": "hang.missing_rank"}],
-    }
-    text = prometheus_text(state, now=100.0)
-    assert 'sddoctor_rank_step{rank="0",host="h"} 7' in text
-    assert 'sddoctor_rank_loss{rank="0",host="h"} 0.5' in text
-    assert 'sddoctor_rank_last_collective_seq{rank="0",host="h",pg="0"} 9' in text
-    assert 'sddoctor_rank_collective_inflight_seconds{rank="1",host="h"} 10.000' in text
-    assert "sddoctor_hang 1" in text
-    server = StateServer(lambda: state, "127.0.0.1", 0).start()
-    try:
-        with urllib.request.urlopen(server.url + "/api/state", timeout=5) as resp:
-            assert json.loads(resp.read())["ranks"]["0"]["step"] == 7
-        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
-            assert resp.headers["Content-Type"].startswith("text/plain")
-            assert b"sddoctor_hang 1" in resp.read()
-    finally:
-        server.stop()
 
 
 def test_py_spy_dump_finds_the_user_frame(tmp_path):

@@ -35,7 +35,7 @@ def test_failing_preflight_stops_the_launch_unless_told_to_continue(tmp_path):
     run_dir, marker = tmp_path / "stopped", tmp_path / "ran"
     bad = {"NCCL_SOCKET_IFNAME": "nosuch0"}  # an interface that does not exist: a `fail` finding
     res = _sddoctor(tmp_path, "run", "--preflight", "--run-dir", str(run_dir), "--", *JOB, str(marker), **bad)
-    assert res.returncode == 3, res.stderr
+    assert res.returncode == 4, res.stderr
     assert not marker.exists()  # nothing was launched
     assert "nccl.env.ifname_missing" in res.stderr and "--preflight-continue" in res.stderr
     saved = json.loads((run_dir / "preflight.json").read_text())

@@ -237,8 +237,9 @@ def test_state_endpoint_and_report_command(tmp_path):
         "    if state.get('ranks') is not None and state.get('run'):\n"
         "        break\n"
         "metrics = urllib.request.urlopen(url + '/metrics').read().decode()\n"
-        "assert 'sddoctor_hang 0' in metrics, metrics\n"
-        "assert state['v'] == 1 and 'verdicts' in state and state['run']['launcher'] == 'python', state\n"
+        "assert 'sddoctor_hang{node=' in metrics, metrics\n"
+        "assert state['schema'] == 'sddoctor.state/1' and 'verdicts' in state, state\n"
+        "assert state['run']['launcher'] == 'python', state\n"
         "print('endpoint ok')\n"
     )
     res = run_supervised(tmp_path, [sys.executable, str(script)], options=())

@@ -83,7 +83,11 @@ def test_bad_arguments_exit_2_with_the_fix(tmp_path):
 
 def test_help_has_examples_and_exit_codes():
     out = _sddoctor("--help")
-    assert out.returncode == 0 and "examples:" in out.stdout and "exit codes:" in out.stdout
+    assert (
+        out.returncode == 0
+        and "examples:" in out.stdout
+        and "exit codes (one table for every sddoctor command" in out.stdout
+    )
 
 
 def test_json_snapshot_without_a_run_needs_neither_torch_nor_a_gpu():

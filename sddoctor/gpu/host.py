@@ -15,6 +15,7 @@ from typing import Protocol
 import psutil
 
 from sddoctor.gpu.samples import HostSample
+from sddoctor.telemetry.redact import redact_argv
 
 
 @dataclass
@@ -65,7 +66,7 @@ class PsutilHost:
                     with proc.oneshot():
                         user = _safe(proc.username)
                         cmdline = _safe(proc.cmdline)
-                        command = " ".join(cmdline) if cmdline else _safe(proc.name)
+                        command = " ".join(redact_argv(cmdline)) if cmdline else _safe(proc.name)
                     proc.cpu_percent(interval=None)  # prime; the first reading is 0 anyway
                     entry = (proc, user, command)
                     self._procs[pid] = entry

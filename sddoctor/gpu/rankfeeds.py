@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from sddoctor.gpu.ranks import RankInputs, RankStatus, RateTracker, derive
-from sddoctor.telemetry import EventTail, RunDir, read_json
+from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
 
 HTTP_TIMEOUT = 2.0
 
@@ -90,7 +90,7 @@ class RunDirFeed:
                     rates.add(ev.get("t"), ev.get("step"), ev.get("samples"))
                 elif kind in ("start", "exit", "exception", "fallback", "oom"):
                     setattr(inputs, kind, ev)
-            inputs.state = read_json(self.run_dir.state_file(rank))
+            inputs.state = read_state(self.run_dir.state_file(rank))
             host = (inputs.state or {}).get("host") or (inputs.start or {}).get("host")
             pid = (inputs.state or {}).get("pid") or (inputs.start or {}).get("pid")
             inputs.pid_alive = None
@@ -117,8 +117,12 @@ class HttpFeed:
         import urllib.request
 
         report = RankReport(sources=[self.label])
+        request = urllib.request.Request(self.url)
+        token = os.environ.get("SDDOCTOR_TOKEN", "").strip()
+        if token:  # an endpoint off loopback wants it (docs/run.md#state-endpoint)
+            request.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
                 payload = json.loads(resp.read().decode("utf-8"))
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)

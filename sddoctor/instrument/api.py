@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from sddoctor.codepaths import current_roots
-from sddoctor.instrument.faults import Fault, FaultSpecError, faults_from_env
+from sddoctor.instrument.faults import Fault, FaultSpecError, exit_if_outside_world, faults_from_env
 from sddoctor.instrument.safety import flush_pending, guarded, internal_error
 from sddoctor.telemetry.environment import comm_env
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
+from sddoctor.telemetry.redact import redact_argv
 from sddoctor.telemetry.schema import EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
 
@@ -137,6 +138,9 @@ class RankSession:
         if fault.kind == "sleep" and fault.get("seq") is None:
             every = fault.get("every")
             if at is None or step == at or (every and step >= at and (step - at) % every == 0):
+                if fault.spec not in self._fired:  # one `fault` event, the first time it fires
+                    self._fired.add(fault.spec)
+                    self.writer.emit(EventKind.FAULT, fault=fault.spec, step=step, caller=_caller())
                 time.sleep(float(fault.get("seconds")))  # type: ignore[arg-type]
             return
         if fault.kind not in ("kill", "raise") or at != step or fault.get("seq") is not None:
@@ -281,6 +285,7 @@ class RankSession:
             self.waiting(None)
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        exit_if_outside_world(self.all_faults, world)
         if not self.rank_known:
             self.set_rank(rank, world)
         elif world != self.world_size:
@@ -384,7 +389,7 @@ def _enable(
         host=socket.gethostname(),
         local_rank=local_rank,
         world_size=world_size,
-        argv=list(sys.argv),
+        argv=redact_argv(sys.argv),
         code_roots=current_roots().to_dict(),
         comm_env=comm_env(os.environ),
         **start_fields,

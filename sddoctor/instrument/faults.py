@@ -12,13 +12,20 @@ Grammar: faults separated by ';', each `KIND:key=value,key=value`. Examples:
 `rank` takes one rank, several joined by '|' (`rank=0|2`), or `*` for every rank.
 `seq=K` counts collectives on one process group, from 1: the default group unless `pg=NAME`
 names another (`pg=NAME:p2p` counts that group's send/recv ops, `pg=*` any group).
-A malformed value is an error at start (FaultSpecError), never silently ignored.
+Every key and value is checked: `seq` and `every` count from 1, `step`, `bucket` and
+`micro_batch_above` from 0, `times` from 1, `seconds` is a finite number >= 0, `signal` a signal
+of this OS by number or name (9, KILL, SIGKILL), and every rank lies inside the world once its
+size is known (`check_world`). A malformed value is an error at start (FaultSpecError, whose
+message ends with GRAMMAR), never silently ignored: `sddoctor run` and each rank exit with code 2.
 This module only parses; `sddoctor.instrument` and the trainer fire the faults.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import signal
+import sys
 from dataclasses import dataclass, field
 
 FAULT_ENV = "SDDOCTOR_FAULT"
@@ -34,12 +41,32 @@ FAULT_KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 
 PHASES = ("forward", "backward", "optimizer", "data")
-_INT_KEYS = {"seq", "step", "every", "bucket", "times", "micro_batch_above", "signal"}
+#: integer keys and the smallest value each takes (a collective or a repetition counts from 1)
+_INT_MINIMUM = {"seq": 1, "every": 1, "times": 1, "step": 0, "bucket": 0, "micro_batch_above": 0}
 _FLOAT_KEYS = {"seconds"}
+
+#: What a FaultSpecError message ends with: the whole grammar, so the fix is on screen.
+GRAMMAR = """\
+SDDOCTOR_FAULT grammar: faults separated by ';', each KIND:key=value,...
+  skip:rank=R,seq=K[,pg=NAME]                 rank R does not issue its K-th collective
+  shape:rank=R,seq=K[,pg=NAME]                rank R's K-th collective gets another shape
+  sleep:rank=R,seconds=S[,step=N|seq=K][,every=E][,pg=NAME]
+  kill:rank=R,step=N|seq=K[,signal=SIG][,pg=NAME]
+  raise:rank=R,step=N|seq=K[,message=TEXT][,pg=NAME]
+  oom:rank=R,step=N[,phase=forward|backward|optimizer][,bucket=B][,times=T][,micro_batch_above=M]
+  R: a rank, ranks joined by '|' (0|2) or '*'; K, E, T >= 1; N, B, M >= 0; S: seconds >= 0;
+  SIG: a signal number or name of this OS (9, KILL, SIGTERM). Details: docs/run.md#fault-injection"""
 
 
 class FaultSpecError(ValueError):
     """SDDOCTOR_FAULT could not be parsed; the message names the problem and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.problem = message
+
+    def __str__(self) -> str:
+        return f"{self.problem}\n{GRAMMAR}"
 
 
 @dataclass(frozen=True)
@@ -69,8 +96,38 @@ def parse_faults(text: str | None) -> list[Fault]:
 
 
 def faults_from_env(environ: dict[str, str] | None = None) -> list[Fault]:
+    """The faults of SDDOCTOR_FAULT, checked against WORLD_SIZE when the environment has it."""
     env = os.environ if environ is None else environ
-    return parse_faults(env.get(FAULT_ENV))
+    faults = parse_faults(env.get(FAULT_ENV))
+    world = env.get("WORLD_SIZE", "")
+    if faults and world.isdigit():
+        check_world(faults, int(world))
+    return faults
+
+
+def check_world(faults: list[Fault], world_size: int | None) -> None:
+    """Raise FaultSpecError when a fault names a rank outside a world of `world_size` ranks."""
+    if not world_size or world_size < 1:
+        return
+    for fault in faults:
+        outside = sorted(r for r in fault.ranks or () if r >= world_size)
+        if outside:
+            raise FaultSpecError(
+                f"{FAULT_ENV}: rank {'|'.join(map(str, outside))} in {fault.spec!r} is outside the world "
+                f"of {world_size} rank(s) (0-{world_size - 1}); it would never fire"
+            )
+
+
+def exit_if_outside_world(faults: list[Fault], world_size: int | None) -> None:
+    """In a rank that learns its world size late (mp.spawn, init_process_group): a fault for a rank
+    outside it stops the process with exit code 2, as a malformed spec does at start."""
+    try:
+        check_world(faults, world_size)
+    except FaultSpecError as exc:
+        try:
+            print(f"sddoctor: {exc}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(2)
 
 
 def _parse_one(spec: str) -> Fault:
@@ -98,13 +155,17 @@ def _parse_one(spec: str) -> Fault:
                 f"{FAULT_ENV}: {kind} does not take {key!r} (in {spec!r}); "
                 f"it takes {', '.join(sorted(required | optional))}"
             )
+        if key in params:
+            raise FaultSpecError(f"{FAULT_ENV}: {key} is given twice in {spec!r}")
         if key == "rank":
             ranks = _parse_ranks(value, spec)
             params["rank"] = value
-        elif key in _INT_KEYS:
-            params[key] = _parse_number(int, key, value, spec)
+        elif key == "signal":
+            params[key] = _parse_signal(value, spec)
+        elif key in _INT_MINIMUM:
+            params[key] = _parse_int(key, value, spec, _INT_MINIMUM[key])
         elif key in _FLOAT_KEYS:
-            params[key] = _parse_number(float, key, value, spec)
+            params[key] = _parse_seconds(key, value, spec)
         elif key == "phase":
             if value not in PHASES:
                 raise FaultSpecError(
@@ -133,11 +194,40 @@ def _parse_ranks(value: str, spec: str) -> frozenset[int] | None:
     return ranks
 
 
-def _parse_number(kind: type, key: str, value: str, spec: str) -> int | float:
+def _parse_int(key: str, value: str, spec: str, minimum: int) -> int:
     try:
-        number = kind(value)
+        number = int(value)
     except ValueError:
-        raise FaultSpecError(f"{FAULT_ENV}: {key}={value!r} in {spec!r} is not a {kind.__name__}") from None
-    if number < 0:
-        raise FaultSpecError(f"{FAULT_ENV}: {key}={value!r} in {spec!r} must not be negative")
+        raise FaultSpecError(f"{FAULT_ENV}: {key}={value!r} in {spec!r} is not an integer") from None
+    if number < minimum:
+        raise FaultSpecError(
+            f"{FAULT_ENV}: {key}={value!r} in {spec!r} must be {minimum} or more"
+            + (" (it counts from 1)" if minimum == 1 else " (it must not be negative)")
+        )
+    return number
+
+
+def _parse_seconds(key: str, value: str, spec: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise FaultSpecError(f"{FAULT_ENV}: {key}={value!r} in {spec!r} is not a number") from None
+    if not math.isfinite(number) or number < 0:
+        raise FaultSpecError(f"{FAULT_ENV}: {key}={value!r} in {spec!r} must be a finite number >= 0")
+    return number
+
+
+def _parse_signal(value: str, spec: str) -> int:
+    """A signal of this OS by number (9) or name (KILL, SIGKILL, sigterm)."""
+    if value.lstrip("-").isdigit():
+        number = int(value)
+    else:
+        name = value.upper()
+        number = getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name, None)
+        number = int(number) if number is not None else -1
+    if number not in {int(s) for s in signal.valid_signals()} or number == 0:
+        raise FaultSpecError(
+            f"{FAULT_ENV}: signal={value!r} in {spec!r} is not a signal of this system; use a number "
+            f"or a name such as 9, KILL, SIGTERM, SIGABRT"
+        )
     return number

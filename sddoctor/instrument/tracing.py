@@ -411,6 +411,11 @@ class Tracer:
             if fault.kind == "sleep":
                 every = fault.get("every")
                 if at is None or seq == at or (every and seq >= at and (seq - at) % every == 0):  # type: ignore[operator]
+                    if fault.spec not in self._fired:  # one `fault` event, the first time it fires
+                        self._fired.add(fault.spec)
+                        self._emit_fault(
+                            {"fault": fault.spec, "seq": seq, "pg": key, "op": spec.name, "caller": caller}
+                        )
                     time.sleep(float(fault.get("seconds")))  # type: ignore[arg-type]
                 continue
             if at != seq or fault.spec in self._fired:

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+from sddoctor import exitcodes
 from sddoctor.preflight.findings import (
     EXIT_FAIL,
     Finding,
@@ -19,9 +20,10 @@ from sddoctor.preflight.findings import (
     sort_findings,
     worst_severity,
 )
+from sddoctor.telemetry.redact import redact_env
 
-EXIT_USAGE = 64  # EX_USAGE from sysexits.h: 2 already means "failures found"
-EXIT_INTERRUPTED = 130
+EXIT_USAGE = exitcodes.USAGE
+EXIT_INTERRUPTED = exitcodes.INTERRUPTED
 JSON_SCHEMA = "sddoctor.check-nccl/1"
 
 EPILOG = """\
@@ -36,15 +38,10 @@ examples:
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 \\
       -m sddoctor check-nccl
 
-exit codes:
-  0   every finding ok or info
-  1   at least one warning
-  2   at least one failure (including a hung or crashed collective test)
-  64  usage error (bad option or value); nothing was checked
-  130 interrupted (Ctrl-C or SIGTERM); every test process was stopped
+{exit_codes}
 
 Findings, remedies and the --json schema: docs/check-nccl.md.
-"""
+""".format(exit_codes=exitcodes.help_block("check-nccl"))
 
 
 class UsageError(Exception):
@@ -52,7 +49,7 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # argparse would exit 2, which here means "failures"
+    def error(self, message: str) -> Any:  # one line naming the problem and the fix, then exit 2
         raise UsageError(message)
 
 
@@ -201,7 +198,7 @@ def _render(findings: list[Finding], bandwidth: Any, args: argparse.Namespace, c
         from sddoctor.preflight.bandwidth import format_bandwidth
 
         parts += ["", format_bandwidth(bandwidth).rstrip()]
-    verdict = {0: "OK", 1: "WARNINGS", 2: "FAILURES"}[code]
+    verdict = {exitcodes.OK: "OK", exitcodes.WARNINGS: "WARNINGS", exitcodes.FINDINGS: "FAILURES"}[code]
     parts += ["", f"result: {verdict} (exit {code})"]
     return "\n".join(parts)
 
@@ -233,7 +230,7 @@ def to_json(report: Any, code: int, elapsed: float) -> dict[str, Any]:
             "gpus": [asdict(g) for g in topo.gpus],
             "pairs": [dict(asdict(p), label=p.label) for p in topo.pairs],
             "torch": asdict(snap.torch),
-            "env": snap.env,
+            "env": redact_env(snap.env),
             "shm_bytes": snap.shm_total,
             "memlock": snap.memlock,
             "nofile": snap.nofile,

@@ -16,8 +16,9 @@ SEVERITIES = ("ok", "info", "warn", "fail")
 _RANK = {name: i for i, name in enumerate(SEVERITIES)}
 
 EXIT_OK = 0
-EXIT_WARN = 1
-EXIT_FAIL = 2
+# The same numbers as every sddoctor command (sddoctor/exitcodes.py, docs/exit-codes.md).
+EXIT_WARN = 3
+EXIT_FAIL = 1
 
 
 @dataclass

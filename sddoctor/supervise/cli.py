@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sddoctor import exitcodes
 from sddoctor.telemetry import RunDir, new_run_dir
+from sddoctor.telemetry.redact import redact_argv
 
 RUN_EPILOG = """\
 examples:
@@ -20,25 +22,21 @@ examples:
   sddoctor run -- accelerate launch --num_processes 2 train.py
   sddoctor run --preflight -- torchrun --nproc-per-node 8 train.py    check NCCL/GPUs first
   SDDOCTOR_FAULT='skip:rank=1,seq=12' sddoctor run --hang-timeout 5 -- torchrun --nproc-per-node 2 train.py
-  sddoctor run --port 8765 --peers node1:8765 -- torchrun --nnodes 2 --node-rank 0 ...
+  sddoctor run --bind 0.0.0.0 --token-file ~/.sddoctor-token --peers node1:8765 -- torchrun --nnodes 2 ...
 
-exit codes:
-  0     the job succeeded
-  N     the job's own exit code (128+S when the launcher died of signal S)
-  2     usage error (bad option, no command, malformed SDDOCTOR_FAULT, unusable --run-dir)
-  3     --preflight found a `fail` and the job was not launched (--preflight-continue launches anyway)
-  124   sddoctor killed the job because it hung (--on-hang kill)
-  127   the launcher command was not found
-  130   interrupted (Ctrl-C); 143 on SIGTERM
+The state endpoint (/api/state, /metrics) listens on 127.0.0.1:8765 by default. When 8765 is
+taken (a second run on this host) it moves to a free port and says so; a --port you chose that
+is taken is an error (exit 2). A --bind other than loopback needs a token (--token-file, or
+$SDDOCTOR_TOKEN, or one made and printed at start) or --insecure. Security: SECURITY.md.
+
+{exit_codes}
 
 The report (report.json, report.md) and stacks land in the run directory; `sddoctor report DIR`
 prints it again. Details and the report schema: docs/run.md.
-"""
+""".format(exit_codes=exitcodes.help_block("run"))
 
-#: open run-directory locks (see rundir_lock): referenced so that they stay held
-_HELD_LOCKS: list[Any] = []
 #: `--preflight` found a `fail` and nothing was launched
-EXIT_PREFLIGHT_FAILED = 3
+EXIT_PREFLIGHT_FAILED = exitcodes.PREFLIGHT_FAILED
 PREFLIGHT_TIMEOUT = 30.0
 
 REPORT_EPILOG = """\
@@ -47,13 +45,13 @@ examples:
   sddoctor report --json runs/my-trainer-run
   sddoctor report --html runs/my-trainer-run       # writes runs/my-trainer-run/report.html
   sddoctor report                      # the latest run under ./sddoctor-runs and ./runs
+  sddoctor report --json DIR | jq .verdicts
 
-exit codes:
-  0   report printed; no error-level finding
-  1   report printed; at least one error-level finding (hang, crash, OOM, diverged replicas), or
-      a `sddoctor run --preflight` that failed and launched nothing
-  2   usage error: no such run directory, or nothing in it to diagnose; --html could not write
-"""
+A run whose supervisor died (kill -9, the OOM killer) is diagnosed from its files, and the
+report says when the supervisor was last seen alive.
+
+{exit_codes}
+""".format(exit_codes=exitcodes.help_block("report"))
 
 
 def _positive(text: str) -> float:
@@ -86,6 +84,8 @@ def _port(text: str) -> int:
 
 
 def run_parser() -> argparse.ArgumentParser:
+    from sddoctor.supervise.http import DEFAULT_PORT
+
     p = argparse.ArgumentParser(
         prog="sddoctor run",
         description="Run a distributed job under supervision; explain hangs, crashes, stragglers and OOMs.",
@@ -131,11 +131,25 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port",
         type=_port,
-        default=0,
-        help="port of the state endpoint (/api/state, /metrics); 0 = any free port (default), -1 = off",
+        default=None,
+        help=f"port of the state endpoint (/api/state, /metrics); default {DEFAULT_PORT} (a free port "
+        "when that is taken), 0 = any free port, -1 = no endpoint",
     )
     p.add_argument(
-        "--bind", default="127.0.0.1", help="address the state endpoint listens on (default 127.0.0.1)"
+        "--bind",
+        default="127.0.0.1",
+        help="address the state endpoint listens on (default 127.0.0.1); any other needs a token or --insecure",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="bearer token of the endpoint (first line of FILE; also $SDDOCTOR_TOKEN); give every node of "
+        "a --peers job the same one. Without it a non-loopback --bind makes one and prints it once",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback --bind without a token (anyone who can reach the port reads the state)",
     )
     p.add_argument(
         "--peers",
@@ -162,52 +176,43 @@ def run_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """`sddoctor run`."""
-    from sddoctor.instrument.faults import FAULT_ENV, FaultSpecError, parse_faults
+    from sddoctor.instrument.faults import FAULT_ENV
     from sddoctor.supervise import launch
-    from sddoctor.supervise.rundir_lock import RunDirBusy, lock_run_dir
-    from sddoctor.supervise.supervisor import EXIT_NOT_FOUND, EXIT_USAGE, Options, Supervisor
+    from sddoctor.supervise.http import TOKEN_ENV
+    from sddoctor.supervise.lifecycle import job_environment
+    from sddoctor.supervise.rundir_claim import earlier_run, set_aside
+    from sddoctor.supervise.supervisor import Options, Supervisor
 
     parser = run_parser()
     args = parser.parse_args(argv)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
-        print(
-            "sddoctor run: no command to run; write it after `--`, e.g. "
-            "`sddoctor run -- torchrun --nproc-per-node 2 train.py`",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+    problem = _check_command(command)
+    if problem is not None:
+        code, message = problem
+        print(f"sddoctor run: {message}", file=sys.stderr)
+        return code
     try:
-        parse_faults(os.environ.get(FAULT_ENV))
-    except FaultSpecError as exc:
+        server, note = _bind_endpoint(args)
+    except ValueError as exc:
         print(f"sddoctor run: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if launch.resolve_executable(command) is None:
-        print(
-            f"sddoctor run: command not found: {command[0]!r}; check the spelling or your PATH",
-            file=sys.stderr,
-        )
-        return EXIT_NOT_FOUND
+        return exitcodes.USAGE
     try:
-        if args.run_dir:
-            run_dir = RunDir(Path(args.run_dir).resolve())
-        else:
-            run_dir = new_run_dir(Path("sddoctor-runs").resolve())
-        # held for the life of this process (the kernel releases it however the process ends)
-        _HELD_LOCKS.append(lock_run_dir(run_dir.path, replace=args.replace))
-        run_dir.ensure()
-    except RunDirBusy as exc:
+        run_dir = _make_run_dir(args.run_dir)
+        earlier = earlier_run(run_dir.path, replace=args.replace)  # refuses a used folder (exit 2)
+        lease = _take_lease(run_dir)  # and no other supervisor uses it now (else exit 2)
+        if earlier is not None:
+            set_aside(run_dir.path, earlier)
+        token, generated = _endpoint_token(args, server, run_dir)
+    except ValueError as exc:
+        if server is not None:
+            server.stop()
         print(f"sddoctor run: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(
-            f"sddoctor run: cannot create the run directory: {exc}; choose another with --run-dir",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        return exitcodes.USAGE
     env, warning = launch.rank_env(run_dir.path)
+    env.pop(TOKEN_ENV, None)  # the ranks need no key to our endpoint
+    env.update(job_environment(lease))  # every process of the job watches the supervisor
     kind = launch.launcher_kind(command)
     preflight_failed = False
     if args.preflight:
@@ -215,7 +220,8 @@ def main(argv: list[str]) -> int:
         # The ranks need not repeat the checks (the bundled trainer runs them at start otherwise).
         env["SDDOCTOR_PREFLIGHT"] = "0"
     info: dict[str, Any] = run_dir.write_run_info(
-        command=command,
+        schema=RUN_SCHEMA,
+        command=redact_argv(command),
         started=time.time(),
         started_iso=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         host=socket.gethostname(),
@@ -229,10 +235,16 @@ def main(argv: list[str]) -> int:
             "startup_timeout": args.startup_timeout,
             "on_hang": args.on_hang,
             "straggler_ratio": args.straggler_ratio,
+            "bind": args.bind if server is not None else None,
+            "auth": "token" if token else "none",
         },
     )
     if preflight_failed and not args.preflight_continue:
-        return _stop_for_preflight(run_dir, info, as_json=args.json)
+        if server is not None:
+            server.stop()
+        code = _stop_for_preflight(run_dir, info, as_json=args.json)
+        lease.end("preflight_failed", code)
+        return code
     opts = Options(
         command=command,
         run_dir=run_dir,
@@ -242,23 +254,130 @@ def main(argv: list[str]) -> int:
         startup_timeout=args.startup_timeout,
         on_hang=args.on_hang,
         straggler_ratio=args.straggler_ratio,
-        port=None if args.port == -1 else args.port,
+        port=None,
         bind=args.bind,
         native=args.native,
         quiet=args.quiet,
         peers=[p.strip() for p in args.peers.split(",") if p.strip()],
         node_rank=info["node_rank"],
+        server=server,
+        token=token,
     )
     sup = Supervisor(opts)
-    if warning:
-        sup.say(warning)
+    for line in (warning, note):
+        if line:
+            sup.say(line)
+    if generated:
+        _say_always(
+            f"[sddoctor] endpoint token (shown once; clients send 'Authorization: Bearer <token>'; "
+            f"stored in {run_dir.path / 'endpoint.token'}, mode 0600): {token}"
+        )
+    elif server is not None and token is None and not _loopback(args.bind):
+        _say_always(
+            f"[sddoctor] warning: --insecure: anyone who can reach {args.bind}:{server.port} reads the job's state"
+        )
     try:
         code, report = sup.run()
     except FileNotFoundError as exc:
+        lease.end("not_started", exitcodes.NOT_FOUND)
         print(f"sddoctor run: cannot start {command[0]!r}: {exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
+        return exitcodes.NOT_FOUND
+    lease.end(str(report.get("outcome")), code)
     _print_result(report, run_dir, as_json=args.json)
     return code
+
+
+RUN_SCHEMA = "sddoctor.run/1"
+
+
+def _check_command(command: list[str]) -> tuple[int, str] | None:
+    """(exit code, message) when the command cannot be run: none, a bad SDDOCTOR_FAULT, no launcher."""
+    from sddoctor.instrument.faults import FAULT_ENV, FaultSpecError, check_world, parse_faults
+    from sddoctor.supervise import launch
+
+    if not command:
+        return exitcodes.USAGE, (
+            "no command to run; write it after `--`, e.g. `sddoctor run -- torchrun --nproc-per-node 2 train.py`"
+        )
+    try:
+        check_world(parse_faults(os.environ.get(FAULT_ENV)), launch.world_size_hint(command))
+    except FaultSpecError as exc:
+        return exitcodes.USAGE, str(exc)
+    if launch.resolve_executable(command) is None:
+        if os.sep in command[0] and os.path.exists(command[0]):
+            return exitcodes.NOT_EXECUTABLE, (
+                f"{command[0]!r} exists but cannot be executed; `chmod +x` it or run it through its interpreter"
+            )
+        return exitcodes.NOT_FOUND, f"command not found: {command[0]!r}; check the spelling or your PATH"
+    return None
+
+
+def _bind_endpoint(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """Listen before anything else is created, so a taken port stops the run with nothing to clean up."""
+    from sddoctor.supervise.http import DEFAULT_PORT, EndpointError, PortInUse, open_endpoint
+
+    if args.port == -1:
+        return None, None
+    port = DEFAULT_PORT if args.port is None else args.port
+    try:
+        return open_endpoint(args.bind, port, explicit=args.port is not None, token=None)
+    except PortInUse as exc:
+        raise ValueError(
+            f"{exc}; choose another with --port N, --port 0 for any free port, or --port -1 for no endpoint"
+        ) from None
+    except EndpointError as exc:
+        raise ValueError(f"--bind {args.bind} --port {port}: {exc}") from None
+
+
+def _make_run_dir(path: str | None) -> RunDir:
+    try:
+        if path:
+            return RunDir(Path(path).resolve()).ensure()
+        return new_run_dir(Path("sddoctor-runs").resolve())
+    except OSError as exc:
+        raise ValueError(f"cannot create the run directory: {exc}; choose another with --run-dir") from None
+
+
+def _take_lease(run_dir: RunDir) -> Any:
+    """Lock the run directory for this supervisor (the job's processes watch the lock)."""
+    from sddoctor.supervise.lifecycle import LeaseHeld, SupervisorLease
+
+    try:
+        return SupervisorLease(run_dir.path)
+    except LeaseHeld as exc:
+        raise ValueError(str(exc)) from None
+    except OSError as exc:
+        raise ValueError(f"cannot write {run_dir.path}: {exc}; choose another --run-dir") from None
+
+
+def _endpoint_token(args: argparse.Namespace, server: Any, run_dir: RunDir) -> tuple[str | None, bool]:
+    """(token, generated): a token is needed off loopback (unless --insecure) and used whenever given."""
+    from sddoctor.supervise.http import TOKEN_ENV, EndpointError, endpoint_token
+
+    if server is None:
+        return None, False
+    given = bool(args.token_file or os.environ.get(TOKEN_ENV, "").strip())
+    if not given and (args.insecure or _loopback(args.bind)):
+        return None, False
+    try:
+        token, generated = endpoint_token(run_dir.path, args.token_file)
+    except EndpointError as exc:
+        raise ValueError(str(exc)) from None
+    server.token = token
+    return token, generated
+
+
+def _loopback(host: str) -> bool:
+    from sddoctor.supervise.http import is_loopback
+
+    return is_loopback(host)
+
+
+def _say_always(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _preflight(run_dir: RunDir, *, quiet: bool) -> bool:
@@ -274,7 +393,7 @@ def _preflight(run_dir: RunDir, *, quiet: bool) -> bool:
     findings = run_preflight(quick=True, collective=True, timeout=PREFLIGHT_TIMEOUT)
     worst = worst_severity(findings)
     record = {
-        "v": 1,
+        "schema": "sddoctor.preflight/1",
         "t": t0,
         "seconds": round(time.time() - t0, 2),
         "worst": worst,
@@ -296,11 +415,11 @@ def _preflight(run_dir: RunDir, *, quiet: bool) -> bool:
 
 def _stop_for_preflight(run_dir: RunDir, info: dict[str, Any], *, as_json: bool) -> int:
     """Write a report that says why nothing was launched; exit EXIT_PREFLIGHT_FAILED."""
-    from sddoctor.supervise.report import attach_preflight, write_report
+    from sddoctor.supervise.report import REPORT_SCHEMA, REPORT_VERSION, attach_preflight, write_report
 
     report: dict[str, Any] = {
-        "schema": "sddoctor.report",
-        "version": 1,
+        "schema": REPORT_SCHEMA,
+        "version": REPORT_VERSION,
         "generated": time.time(),
         "run": info,
         "outcome": "preflight_failed",
@@ -362,77 +481,96 @@ def report_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _find_run_dir(prog: str, given: str | None) -> RunDir | None:
-    """The run directory named on the command line, else the latest one; None (after saying why) if none."""
+def _report_run_dir(prog: str, given: str | None) -> tuple[RunDir | None, str | None]:
+    """(run dir, None) or (None, the one-line problem): the one named, else the latest one."""
     from sddoctor.telemetry import find_latest_run
+    from sddoctor.telemetry.reader import unreadable
 
-    if given:
+    if given is None:
+        try:
+            found = find_latest_run("sddoctor-runs", "runs")
+        except OSError as exc:
+            return None, f"cannot look for runs here: {exc}; give one: {prog} DIR"
+        if found is None:
+            return None, f"no run directory found under ./sddoctor-runs or ./runs; give one: {prog} DIR"
+        run_dir = found
+    else:
         run_dir = RunDir(given)
-        if not run_dir.path.is_dir():
-            print(
-                f"{prog}: {given!r} is not a directory; give a run directory (one with run.json or ranks/)",
-                file=sys.stderr,
-            )
-            return None
-        return run_dir
-    found = find_latest_run("sddoctor-runs", "runs")
-    if found is None:
-        print(
-            f"{prog}: no run directory found under ./sddoctor-runs or ./runs; give one: {prog} DIR",
-            file=sys.stderr,
+    problem = unreadable(run_dir.path)
+    if problem is not None:
+        return None, problem
+    if not run_dir.path.is_dir():
+        return None, f"{given!r} is not a directory; give a run directory (one with run.json or ranks/)"
+    return run_dir, None
+
+
+def _load_report(prog: str, run_dir: RunDir, rediagnose: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """(report, None): report.json, or a diagnosis of the files when there is none (or when
+    `rediagnose`); (None, the one-line problem) when the folder holds nothing to diagnose."""
+    from sddoctor.supervise.offline import diagnose_run_dir, load_report
+
+    report = None if rediagnose else load_report(run_dir)
+    if report is not None:
+        return report, None
+    if not run_dir.ranks_dir.is_dir() and not run_dir.run_json.exists():
+        return (
+            None,
+            f"{run_dir.path} has no report.json, run.json or ranks/: not a sddoctor or trainer run directory",
         )
-    return found
-
-
-def _load_report(prog: str, run_dir: RunDir, rediagnose: bool) -> dict[str, Any] | None:
-    """report.json, or a diagnosis of the files when there is none (or `rediagnose`); None if not a run dir."""
-    from sddoctor.supervise.offline import diagnose_run_dir
-    from sddoctor.telemetry import read_json
-
-    report = None if rediagnose else read_json(run_dir.report_json)
-    if report is None:
-        if not run_dir.ranks_dir.is_dir() and not run_dir.run_json.exists():
-            print(
-                f"{prog}: {run_dir.path} has no report.json, run.json or ranks/: "
-                "not a sddoctor or trainer run directory",
-                file=sys.stderr,
-            )
-            return None
-        report = diagnose_run_dir(run_dir)
-    return report
+    try:
+        return diagnose_run_dir(run_dir), None
+    except Exception as exc:  # noqa: BLE001 - telemetry that the readers let through and the diagnosis cannot use
+        if os.environ.get("SDDOCTOR_DEBUG"):
+            raise
+        return None, (
+            f"cannot diagnose {run_dir.path}: its telemetry is not what sddoctor writes "
+            f"({type(exc).__name__}: {exc}); SDDOCTOR_DEBUG=1 shows where"
+        )
 
 
 def report_main(argv: list[str]) -> int:
     """`sddoctor report`."""
+    from sddoctor.supervise.lifecycle import describe, lease_status
     from sddoctor.supervise.report import attach_health, render_markdown, render_summary, write_html
+    from sddoctor.telemetry.validate import PROBLEMS
 
+    prog = "sddoctor report"
     args = report_parser().parse_args(argv)
     if args.output and not args.html:
-        print("sddoctor report: --output goes with --html", file=sys.stderr)
-        return 2
-    run_dir = _find_run_dir("sddoctor report", args.run_dir)
-    if run_dir is None:
-        return 2
-    report = _load_report("sddoctor report", run_dir, args.rediagnose)
-    if report is None:
-        return 2
+        print(f"{prog}: --output goes with --html", file=sys.stderr)
+        return exitcodes.USAGE
+    run_dir, problem = _report_run_dir(prog, args.run_dir)
+    report = None
+    if run_dir is not None:
+        report, problem = _load_report(prog, run_dir, args.rediagnose)
+    if report is None or run_dir is None:
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return exitcodes.USAGE
+    supervisor = lease_status(run_dir.path)
+    if supervisor is not None:
+        report["supervisor"] = supervisor
     if args.html or (args.markdown and "health" not in report):
         data = attach_health(report, run_dir)
         if args.html:
             target = Path(args.output) if args.output else run_dir.report_html
-            problem = "cannot read the run directory" if data is None else write_html(data, target)
-            if problem:
-                print(f"sddoctor report: cannot write {target}: {problem}", file=sys.stderr)
-                return 2
-            print(f"sddoctor report: wrote {target}", file=sys.stderr)
+            trouble = "cannot read the run directory" if data is None else write_html(data, target)
+            if trouble:
+                print(f"{prog}: cannot write {target}: {trouble}", file=sys.stderr)
+                return exitcodes.USAGE
+            print(f"{prog}: wrote {target}", file=sys.stderr)
+    warning = PROBLEMS.summary()
+    if warning:
+        print(f"{prog}: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif args.markdown:
-        print(render_markdown(report))
+        died = [line.strip() for line in describe(supervisor)]
+        print(render_markdown(report) + "".join(f"\n## Supervisor\n\n{line}\n" for line in died))
     else:
-        print(render_summary(report, str(run_dir.path)))
+        print("\n".join([render_summary(report, str(run_dir.path)), *describe(supervisor)]))
     errors = [v for v in report.get("verdicts") or [] if v.get("severity") == "error"]
-    return 1 if errors or report.get("outcome") == "preflight_failed" else 0
+    failed = errors or report.get("outcome") == "preflight_failed"
+    return exitcodes.FINDINGS if failed else exitcodes.OK
 
 
 TRACE_EPILOG = """\
@@ -445,10 +583,8 @@ Each rank is a process with tracks for its steps, its collectives (with the time
 the last rank to arrive) and its events (OOM, fallback, fault, exception, exit, the hang), plus
 counters (step time, loss, GPU utilisation and memory). Details: docs/run.md.
 
-exit codes:
-  0   trace written
-  2   usage error: no such run directory, nothing in it, or the output cannot be written
-"""
+{exit_codes}
+""".format(exit_codes=exitcodes.help_block("trace"))
 
 
 def trace_parser() -> argparse.ArgumentParser:
@@ -476,25 +612,26 @@ def trace_main(argv: list[str]) -> int:
     from sddoctor.supervise.rundata import RunData
     from sddoctor.supervise.trace import write_trace
 
+    prog = "sddoctor trace"
     args = trace_parser().parse_args(argv)
-    run_dir = _find_run_dir("sddoctor trace", args.run_dir)
-    if run_dir is None:
-        return 2
-    report = _load_report("sddoctor trace", run_dir, rediagnose=False)
-    if report is None:
-        return 2
+    run_dir, problem = _report_run_dir(prog, args.run_dir)
+    report = None
+    if run_dir is not None:
+        report, problem = _load_report(prog, run_dir, rediagnose=False)
+    if report is None or run_dir is None:
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return exitcodes.USAGE
     target = Path(args.output) if args.output else run_dir.path / "trace.json"
     data = RunData.load(run_dir, report)
     try:
         trace = write_trace(data, str(target), args.last)
     except OSError as exc:
-        print(f"sddoctor trace: cannot write {target}: {exc}; choose another path with -o", file=sys.stderr)
-        return 2
+        print(f"{prog}: cannot write {target}: {exc}; choose another path with -o", file=sys.stderr)
+        return exitcodes.USAGE
     events = trace["traceEvents"]
     slices = sum(1 for e in events if e.get("ph") == "X")
     print(
-        f"sddoctor trace: wrote {target} ({len(data.timeline.lanes)} ranks, {slices} slices); "
-        "open it in https://ui.perfetto.dev",
+        f"{prog}: wrote {target} ({len(data.timeline.lanes)} ranks, {slices} slices); open it in https://ui.perfetto.dev",
         file=sys.stderr,
     )
-    return 0
+    return exitcodes.OK

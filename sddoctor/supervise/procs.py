@@ -20,13 +20,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 import psutil
 
+from sddoctor.supervise.lifecycle import StderrLog, die_with_parent
+
 _PR_SET_CHILD_SUBREAPER = 36
-_LOG_LIMIT = 256 * 2**20  # bytes of the job's stderr kept in RUN_DIR/job.log
 #: what the command line of a process that is never a rank holds: multiprocessing's helpers
 _HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _LAUNCHER_PROGRAMS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed")
@@ -82,23 +82,32 @@ class Job:
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop_death_watch: threading.Event = field(default_factory=threading.Event)
     _not_ranks: set[int] = field(default_factory=set)
-    #: Where the job's whole stderr is kept (RUN_DIR/job.log); the console may stop showing it.
-    log_path: Path | None = None
-    #: Set once sddoctor itself stops the job: the launcher's traceback flood stays in the log only.
+    #: Set once sddoctor itself stops the job: the launcher's traceback flood stays in
+    #: RUN_DIR/stderr.log and off the console.
     mute_console: threading.Event = field(default_factory=threading.Event)
 
     def start(self, stderr_sink: IO[str] | None = None) -> None:
-        """Start the launcher in a new session; tee its stderr into `stderr_sink`, the log and a tail."""
+        """Start the launcher in a new session; tee its stderr into `stderr_sink` and a tail.
+
+        Its stderr is RUN_DIR/stderr.log, followed from here (a file cannot break or fill up
+        like a pipe), and it gets SIGTERM if this process dies (see `lifecycle`)."""
+        log = StderrLog(self.run_dir)
         self.popen = subprocess.Popen(
             self.command,
             env=self.env,
             stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=log.fd,
             start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         self.descendants[self.popen.pid] = psutil.Process(self.popen.pid)
         sink = sys.stderr if stderr_sink is None else stderr_sink
-        tee = threading.Thread(target=self._tee_stderr, args=(sink,), name="sddoctor-stderr", daemon=True)
+        tee = threading.Thread(
+            target=log.follow,
+            args=(sink, self.stderr_tail.append, self._stop_death_watch, self.mute_console),
+            name="sddoctor-stderr",
+            daemon=True,
+        )
         tee.start()
         death = threading.Thread(target=self._death_watch, name="sddoctor-deaths", daemon=True)
         death.start()
@@ -108,31 +117,6 @@ class Job:
     def pid(self) -> int:
         assert self.popen is not None
         return self.popen.pid
-
-    def _tee_stderr(self, sink: IO[str]) -> None:
-        assert self.popen is not None and self.popen.stderr is not None
-        log = _open_log(self.log_path)
-        written = 0
-        try:
-            for raw in iter(self.popen.stderr.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
-                self.stderr_tail.append(line.rstrip("\n"))
-                if log is not None and written < _LOG_LIMIT:
-                    written += len(raw)
-                    log.write(
-                        raw if written < _LOG_LIMIT else b"[sddoctor: job.log stops here at its size limit]\n"
-                    )
-                    log.flush()
-                if self.mute_console.is_set():
-                    continue
-                try:
-                    sink.write(line)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass
-        finally:
-            if log is not None:
-                log.close()
 
     def poll(self) -> int | None:
         """The launcher's exit code once it has ended (negative: killed by that signal)."""
@@ -360,15 +344,6 @@ class Job:
         for thread in self._threads:
             thread.join(timeout=2.0)
         self.update_rank_exit_codes()
-
-
-def _open_log(path: Path | None) -> IO[bytes] | None:
-    if path is None:
-        return None
-    try:
-        return open(path, "ab")  # noqa: SIM115 - kept open for the life of the job
-    except OSError:
-        return None
 
 
 def _set_code(exit_info: dict[str, Any] | None, code: int) -> None:

@@ -12,7 +12,7 @@ from sddoctor.supervise.state import RankState, RunState, Verdict
 from sddoctor.telemetry import RunDir, read_json
 from sddoctor.telemetry.layout import atomic_write_text
 
-REPORT_SCHEMA = "sddoctor.report"
+REPORT_SCHEMA = "sddoctor.report/1"
 REPORT_VERSION = 1
 #: findings of `sddoctor run --preflight`, in the run directory
 PREFLIGHT_FILE = "preflight.json"

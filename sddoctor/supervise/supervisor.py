@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -19,7 +17,9 @@ from sddoctor.supervise import flightrec, stacks
 from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts, rank_exit
 from sddoctor.supervise.facts import apply_facts, write_facts
 from sddoctor.supervise.gpulog import GpuLog
-from sddoctor.supervise.http import StateServer
+from sddoctor.supervise.http import EndpointError, StateServer, get_state
+from sddoctor.supervise.lifecycle import STDERR_FILE
+from sddoctor.supervise.metrics import RunMetrics
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RunState, Verdict
@@ -34,8 +34,6 @@ EXIT_NOT_FOUND = 127
 EXIT_INTERRUPTED = 130
 
 POLL_SECONDS = 1.0
-#: the job's whole stderr, in the run directory
-JOB_LOG = "job.log"
 #: With --peers and --on-hang kill: how long a node that diagnosed a hang waits for the other
 #: nodes to take their own ranks' stacks before it kills its ranks (which takes theirs down too).
 PEER_HANG_GRACE = 10.0
@@ -59,6 +57,10 @@ class Options:
     peers: list[str] = field(default_factory=list)
     node_rank: int = 0
     out: TextIO = sys.stderr
+    #: the endpoint, bound by `sddoctor run` before anything starts (a taken port is a usage error)
+    server: StateServer | None = None
+    #: bearer token of the endpoint, also sent to --peers (every node is given the same one)
+    token: str | None = None
 
 
 class Supervisor:
@@ -66,7 +68,7 @@ class Supervisor:
         self.opts = opts
         self.started = time.time()
         self.job = Job(command=opts.command, env=opts.env, run_dir=opts.env["SDDOCTOR_RUN_DIR"])
-        self.job.log_path = opts.run_dir.path / JOB_LOG
+        self.job_log = opts.run_dir.path / STDERR_FILE
         self.watcher = Watcher(
             opts.run_dir,
             hang_timeout=opts.hang_timeout,
@@ -90,6 +92,7 @@ class Supervisor:
         self.killed_for_hang = False
         self.handling_hang = False  # a hang diagnosed and not resolved: peers take their stacks too
         self.server: StateServer | None = None
+        self.metrics: RunMetrics | None = None
         self.remote: dict[str, dict[str, Any]] = {}
         self._published: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -98,22 +101,28 @@ class Supervisor:
 
     def say(self, text: str) -> None:
         if not self.opts.quiet:
-            print(f"[sddoctor] {text}", file=self.opts.out, flush=True)
+            try:
+                print(f"[sddoctor] {text}", file=self.opts.out, flush=True)
+            except (OSError, ValueError):
+                pass  # our terminal is gone (closed SSH session): supervising goes on
 
     # -- main -----------------------------------------------------------------------------------
 
     def run(self) -> tuple[int, dict[str, Any]]:
         become_subreaper()
-        if self.opts.port is not None:
+        if self.opts.server is None and self.opts.port is not None:
             try:
-                self.server = StateServer(self.api_state, self.opts.bind, self.opts.port).start()
-                self.opts.run_info["endpoint"] = self.server.url
-                self.opts.run_dir.write_run_info(endpoint=self.server.url)
-                self.say(f"state: {self.server.url}/api/state  metrics: {self.server.url}/metrics")
-            except OSError as exc:
-                self.say(
-                    f"cannot serve state on {self.opts.bind}:{self.opts.port}: {exc}; continuing without"
+                self.opts.server = StateServer(
+                    host=self.opts.bind, port=self.opts.port, token=self.opts.token
                 )
+            except EndpointError as exc:
+                self.say(f"cannot serve state: {exc}; continuing without")
+        if self.opts.server is not None:
+            self.metrics = RunMetrics(self.opts.run_dir, gpu_source=_gpu_source())
+            self.server = self.opts.server.start(self.api_state, self.metrics.render)
+            self.opts.run_info["endpoint"] = self.server.url
+            self.opts.run_dir.write_run_info(endpoint=self.server.url)
+            self.say(f"state: {self.server.url}/api/state  metrics: {self.server.url}/metrics")
         self.say(f"run dir: {self.opts.run_dir.path}")
         restore = install_forwarding(self.job, self.signals.append)
         peer_thread = None
@@ -140,7 +149,7 @@ class Supervisor:
         return code, report
 
     def _say_how_ranks_ended(self) -> None:
-        """One line per rank after sddoctor stopped the job (the launcher's own lines are in job.log)."""
+        """One line per rank after sddoctor stopped the job (the launcher's own lines are in stderr.log)."""
         for rank_id in sorted(self.state.ranks):
             rank = self.state.ranks[rank_id]
             how = describe_exit(rank.exit) if rank.exit else ("still running" if rank.alive else "ended")
@@ -173,7 +182,7 @@ class Supervisor:
         self.stopped_at = time.time()
         self.say(
             f"{signal.Signals(signum).name}: stopping the job (again to kill it at once); its output from now on "
-            f"goes to {self.job.log_path} only"
+            f"goes to {self.job_log} only"
         )
         self.job.mute_console.set()
         self.job.signal_job(signum)
@@ -274,9 +283,7 @@ class Supervisor:
         self._publish()  # the peers learn of the hang now, not at the next tick
         if self.opts.on_hang == "kill":
             self._await_peer_stacks()
-            self.say(
-                f"--on-hang kill: stopping the job; its output from now on goes to {self.job.log_path} only"
-            )
+            self.say(f"--on-hang kill: stopping the job; its output from now on goes to {self.job_log} only")
             self.job.mute_console.set()
             self.killed_for_hang = True
             self.stopped_by = "hang"
@@ -444,6 +451,8 @@ class Supervisor:
         }
         with self._lock:
             self._published = snapshot
+        if self.metrics is not None:
+            self.metrics.update(state, self.verdicts, hang_handled=self.handling_hang)
 
     def api_state(self) -> dict[str, Any]:
         with self._lock:
@@ -453,17 +462,15 @@ class Supervisor:
         """Poll the other nodes' supervisors; their ranks join this node's diagnosis."""
         while self.job.exit_code is None:
             for peer in self.opts.peers:
-                url = peer if peer.startswith("http") else f"http://{peer}"
                 try:
-                    with urllib.request.urlopen(f"{url}/api/state", timeout=2.0) as resp:
-                        self.remote[peer] = json.loads(resp.read())
+                    self.remote[peer] = get_state(peer, self.opts.token, timeout=2.0)
                 except (OSError, ValueError):
                     continue
             time.sleep(POLL_SECONDS)
 
 
 def remove_empty_files(run_dir: Path) -> None:
-    """Empty files sddoctor made (a rank's unused fatal-signal file, an empty job.log) and its empty
+    """Empty files sddoctor made (a rank's unused fatal-signal file, an empty stderr.log) and its empty
     folders go: what is left there says something. The job's own files are never touched."""
     for name in ("ranks", "stacks", "procs"):
         folder = run_dir / name
@@ -480,11 +487,21 @@ def remove_empty_files(run_dir: Path) -> None:
         except OSError:
             pass
     try:
-        log = run_dir / JOB_LOG
+        log = run_dir / STDERR_FILE
         if log.is_file() and log.stat().st_size == 0:
             log.unlink()
     except OSError:
         pass
+
+
+def _gpu_source() -> object | None:
+    """Local GPUs for /metrics (NVML opened in the background; None without the module)."""
+    try:
+        from sddoctor.gpu.source import NvmlSource
+
+        return NvmlSource(pcie_interval=0, open_in_background=True)
+    except Exception:  # noqa: BLE001 - GPU series are optional
+        return None
 
 
 def _shell_code(code: int | None) -> int:

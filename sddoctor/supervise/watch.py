@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from sddoctor.supervise.state import Arrival, RankState, RunState
-from sddoctor.telemetry import EventTail, RunDir, read_json
+from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
 from sddoctor.telemetry.timeline import decode_calls, timeline_file
 
 #: Event kinds the diagnosis keeps (steps and summaries are only counted).
@@ -67,7 +67,7 @@ class Watcher:
             for line in timeline.poll():
                 for call in decode_calls(line):
                     self._sight(rank, call, enqueue=call.get("t0"), duration=call.get("duration"))
-            snapshot = read_json(self.run_dir.state_file(rank_id))
+            snapshot = read_state(self.run_dir.state_file(rank_id))
             if snapshot is not None:
                 self._on_snapshot(rank, snapshot, now)
 

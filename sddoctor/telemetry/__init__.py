@@ -5,7 +5,7 @@ run directories without it. See docs/telemetry.md for the schema.
 """
 
 from sddoctor.telemetry.layout import RunDir, find_latest_run, new_run_dir
-from sddoctor.telemetry.reader import EventTail, RankView, RunView, read_events, read_json
+from sddoctor.telemetry.reader import EventTail, RankView, RunView, read_events, read_json, read_state
 from sddoctor.telemetry.schema import SCHEMA_VERSION, EventKind
 from sddoctor.telemetry.writer import TelemetryWriter
 
@@ -21,4 +21,5 @@ __all__ = [
     "new_run_dir",
     "read_events",
     "read_json",
+    "read_state",
 ]

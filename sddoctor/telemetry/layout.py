@@ -73,8 +73,12 @@ class RunDir:
         if not self.ranks_dir.is_dir():
             return []
         found = set()
-        for entry in self.ranks_dir.iterdir():
-            m = _RANK_FILE.match(entry.name)
+        try:
+            names = [entry.name for entry in self.ranks_dir.iterdir()]
+        except OSError:
+            return []  # unreadable: the commands say so before they get here
+        for name in names:
+            m = _RANK_FILE.match(name)
             if m:
                 found.add(int(m.group(1)))
         return sorted(found)

@@ -1,7 +1,9 @@
 """Tolerant readers of run directories.
 
-They survive a torn last line (a rank killed mid-write), a missing rank and unknown fields,
-because they are used on runs that went wrong.
+They survive a torn last line (a rank killed mid-write), a missing rank, unknown fields,
+known fields of the wrong type (dropped, see `validate`), oversized files and lines (skipped)
+and unreadable files, because they are used on runs that went wrong. What they had to read
+around is collected in `validate.PROBLEMS` for the command to print as one warning.
 """
 
 from __future__ import annotations
@@ -13,30 +15,69 @@ from pathlib import Path
 from typing import Any
 
 from sddoctor.telemetry.layout import RunDir
+from sddoctor.telemetry.validate import PROBLEMS, clean_event, clean_state
+
+#: A JSON file larger than this is not one sddoctor wrote (state snapshots are a few KB).
+MAX_JSON_BYTES = 64 << 20
+#: An event line longer than this is skipped (events are a few hundred bytes).
+MAX_LINE_BYTES = 1 << 20
+_CHUNK = 4 << 20
 
 
-def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """A JSON object from a file, or None if it is missing or unreadable."""
+def _source(path: str | os.PathLike[str]) -> str:
+    p = Path(path)
+    return f"{p.parent.name}/{p.name}" if p.parent.name == "ranks" else p.name
+
+
+def unreadable(run_dir: str | os.PathLike[str]) -> str | None:
+    """Why a run directory (or its ranks/ folder) cannot be read, in a few words; None if it can.
+    A missing directory is not this function's business (the caller says "no such directory")."""
+    base = Path(run_dir)
+    for folder in (base, base / "ranks"):
+        try:
+            os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except PermissionError:
+            return f"{folder} cannot be read (permission denied); run as its owner or fix its mode"
+        except OSError as exc:
+            return f"{folder} cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def read_json(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any] | None:
+    """A JSON object from a file, or None if it is missing, unreadable, too large or not an object."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        if not isinstance(exc, FileNotFoundError):
+            PROBLEMS.note(_source(path), f"cannot be read ({exc.strerror or exc})")
         return None
-    return data if isinstance(data, dict) else None
+    if len(data) > max_bytes:
+        PROBLEMS.note(_source(path), f"larger than {max_bytes >> 20} MiB: not read")
+        return None
+    try:
+        doc = json.loads(data.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        if data.strip():
+            PROBLEMS.note(_source(path), "not valid JSON")
+        return None
+    if not isinstance(doc, dict):
+        PROBLEMS.note(_source(path), "not a JSON object")
+        return None
+    return doc
+
+
+def read_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A rank's state snapshot with its fields checked (see `validate.clean_state`), or None."""
+    return clean_state(read_json(path), _source(path)) if os.path.exists(path) else None
 
 
 def read_events(path: str | os.PathLike[str], kinds: set[str] | None = None) -> list[dict[str, Any]]:
-    """All complete events in a .jsonl file; a torn or garbled line is skipped."""
-    events: list[dict[str, Any]] = []
-    try:
-        fh = open(path, encoding="utf-8", errors="replace")
-    except OSError:
-        return events
-    with fh:
-        for line in fh:
-            event = _parse_line(line)
-            if event is not None and (kinds is None or event.get("kind") in kinds):
-                events.append(event)
-    return events
+    """All complete events in a .jsonl file; a torn, garbled or oversized line is skipped."""
+    events = EventTail(path).poll()
+    return events if kinds is None else [e for e in events if e.get("kind") in kinds]
 
 
 def read_events_bounded(
@@ -55,22 +96,25 @@ def read_events_bounded(
     with fh:
         for raw in fh:
             start, offset = offset, offset + len(raw)
-            if start < cutoff and marker in raw:
+            if (start < cutoff and marker in raw) or len(raw) > MAX_LINE_BYTES:
                 continue
-            event = _parse_line(raw.decode("utf-8", errors="replace"))
+            event = _parse_line(raw.decode("utf-8", errors="replace"), _source(path))
             if event is not None:
                 events.append(event)
     return events
 
 
-def _parse_line(line: str) -> dict[str, Any] | None:
+def _parse_line(line: str, source: str = "events") -> dict[str, Any] | None:
     if not line.endswith("\n"):
         return None  # torn: the writer has not finished this line
+    if not line.strip():
+        return None
     try:
         event = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
+        PROBLEMS.note(source, "a line that is not JSON")
         return None
-    return event if isinstance(event, dict) else None
+    return clean_event(event, source)
 
 
 class EventTail:
@@ -78,33 +122,51 @@ class EventTail:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self.source = _source(path)
         self._offset = 0
-        self._partial = ""
+        self._partial = b""
+        self._skipping = False  # inside a line longer than MAX_LINE_BYTES
         self._inode: int | None = None
 
     def poll(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         try:
-            with open(self.path, encoding="utf-8", errors="replace") as fh:
+            fh = open(self.path, "rb")
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                PROBLEMS.note(self.source, f"cannot be read ({exc.strerror or exc})")
+            return out
+        with fh:
+            try:
                 stat = os.fstat(fh.fileno())
                 if self._inode is not None and (stat.st_ino != self._inode or stat.st_size < self._offset):
-                    self._offset, self._partial = 0, ""  # the writer rotated the file: a new one
+                    # the writer rotated the file (timeline files do): read the new one from its start
+                    self._offset, self._partial, self._skipping = 0, b"", False
                 self._inode = stat.st_ino
                 fh.seek(self._offset)
-                chunk = fh.read()
-                self._offset = fh.tell()
-        except OSError:
-            return []
-        if not chunk:
-            return []
-        text = self._partial + chunk
-        lines = text.split("\n")
-        self._partial = lines.pop()  # "" when the chunk ended on a newline
-        out = []
-        for line in lines:
-            event = _parse_line(line + "\n")
+                while chunk := fh.read(_CHUNK):
+                    self._offset += len(chunk)
+                    self._take(chunk, out)
+            except OSError as exc:
+                PROBLEMS.note(self.source, f"cannot be read ({exc.strerror or exc})")
+        return out
+
+    def _take(self, chunk: bytes, out: list[dict[str, Any]]) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # b"" when the chunk ended on a newline
+        for raw in lines:
+            if self._skipping:  # the end of an oversized line
+                self._skipping = False
+                continue
+            if len(raw) > MAX_LINE_BYTES:
+                PROBLEMS.note(self.source, f"a line over {MAX_LINE_BYTES >> 20} MiB skipped")
+                continue
+            event = _parse_line(raw.decode("utf-8", errors="replace") + "\n", self.source)
             if event is not None:
                 out.append(event)
-        return out
+        if len(self._partial) > MAX_LINE_BYTES:
+            PROBLEMS.note(self.source, f"a line over {MAX_LINE_BYTES >> 20} MiB skipped")
+            self._partial, self._skipping = b"", True
 
 
 @dataclass
@@ -144,7 +206,9 @@ class RunView:
                 read_events(path) if step_bytes is None else read_events_bounded(path, bulky_bytes=step_bytes)
             )
 
-        ranks = {r: RankView(rank=r, events=events(r), state=read_json(rd.state_file(r))) for r in rd.ranks()}
+        ranks = {
+            r: RankView(rank=r, events=events(r), state=read_state(rd.state_file(r))) for r in rd.ranks()
+        }
         return cls(run_dir=rd, info=rd.run_info(), ranks=ranks)
 
     @property

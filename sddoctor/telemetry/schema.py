@@ -11,6 +11,10 @@ from __future__ import annotations
 from enum import Enum
 
 SCHEMA_VERSION = 1
+#: The marker of a state snapshot (`ranks/rank-NNNNN.state`). Events carry only `v`, the version
+#: of the event schema (`sddoctor.events/<v>`): a marker string on every line would cost about a
+#: tenth of the bytes of a step.
+STATE_SCHEMA = f"sddoctor.rank-state/{SCHEMA_VERSION}"
 
 
 class EventKind(str, Enum):
@@ -55,5 +59,6 @@ WARNING_CODES: dict[str, str] = {
     "bad_input": "the trainer stopped on bad user input (config, data or model folder, --resume); message says what",
     "skipped_images": "the trainer skipped unreadable images in the data folder; message gives the count",
     "replicas_differ": "the ranks' weights differ after training: DDP replicas diverged (an error verdict)",
+    "supervisor_gone": "the sddoctor run supervisor died; the rank stops itself (SIGTERM, then SIGKILL)",
     "<finding id>": "a preflight finding at trainer start (e.g. shm.size), with source='preflight', severity, remedy",
 }

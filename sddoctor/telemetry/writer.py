@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sddoctor.telemetry.layout import RunDir, atomic_write_text
-from sddoctor.telemetry.schema import SCHEMA_VERSION, EventKind
+from sddoctor.telemetry.schema import SCHEMA_VERSION, STATE_SCHEMA, EventKind
 
 StateProvider = Callable[[], dict[str, Any]]
 
@@ -44,6 +44,7 @@ class TelemetryWriter:
         self.state_interval = state_interval
         self._events: collections.deque[dict[str, Any]] = collections.deque()
         self._state: dict[str, Any] = {
+            "schema": STATE_SCHEMA,
             "v": SCHEMA_VERSION,
             "rank": rank,
             "pid": os.getpid(),

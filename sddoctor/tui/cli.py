@@ -9,12 +9,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-EXIT_OK = 0
-EXIT_USAGE = 2
+from sddoctor import exitcodes
+
+EXIT_OK = exitcodes.OK
+EXIT_USAGE = exitcodes.USAGE
+JSON_SCHEMA = "sddoctor.tui/1"
 
 DESCRIPTION = """\
 Live, rank-aware GPU monitor: local GPUs (NVML) and their processes, the host, and the ranks
@@ -32,10 +36,8 @@ examples:
 
 keys: ? help, s sort, / filter, enter rank details and stack dump, p pause, q quit
 
-exit codes:
-  0  normal exit
-  2  bad arguments (unknown option, --run-dir that does not exist, bad HOST:PORT, interval <= 0)
-"""
+{exit_codes}
+""".format(exit_codes=exitcodes.help_block("tui"))
 
 DEFAULT_RUN_BASES = ("./sddoctor-runs", "./runs")
 
@@ -91,6 +93,7 @@ def make_feed(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The rank feed the arguments ask for (None: no run). Raises ValueError with a user message."""
     from sddoctor.gpu.rankfeeds import HttpFeed, MultiFeed, RunDirFeed
     from sddoctor.telemetry import find_latest_run
+    from sddoctor.telemetry.reader import unreadable
 
     feeds = []
     if args.run_dir:
@@ -99,6 +102,9 @@ def make_feed(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             raise ValueError(
                 f"--run-dir {args.run_dir}: no such directory; pass a run directory such as ./sddoctor-runs/run-..."
             )
+        problem = unreadable(path)
+        if problem is not None:
+            raise ValueError(f"--run-dir: {problem}")
         feeds.append(RunDirFeed(path))
     for ep in args.connect:
         checked = _check_endpoint(ep)
@@ -167,15 +173,27 @@ ONCE_CPU_WINDOW = 0.1
 def print_once(collector, feed, as_json: bool) -> int:  # type: ignore[no-untyped-def]
     from sddoctor.gpu.overview import Overview
     from sddoctor.gpu.rankfeeds import RankReport
+    from sddoctor.telemetry.validate import PROBLEMS
 
     started = time.perf_counter()
     collector.sample()  # primes CPU counters of the GPU processes
-    report = feed.poll() if feed is not None else RankReport()
+    try:
+        report = feed.poll() if feed is not None else RankReport()
+    except Exception as exc:  # noqa: BLE001 - telemetry the readers let through and the view cannot use
+        if os.environ.get("SDDOCTOR_DEBUG"):
+            raise
+        collector.close()
+        return _fail(
+            f"cannot read the run's telemetry ({type(exc).__name__}: {exc}); SDDOCTOR_DEBUG=1 shows where"
+        )
+    warning = PROBLEMS.summary()
+    if warning:
+        print(f"sddoctor tui: warning: {warning}", file=sys.stderr)
     time.sleep(max(0.0, ONCE_CPU_WINDOW - (time.perf_counter() - started)))
     ov = Overview.build(collector.sample(), report)
     collector.close()
     if as_json:
-        print(json.dumps(ov.to_dict(), indent=2))
+        print(json.dumps({"schema": JSON_SCHEMA, **ov.to_dict()}, indent=2))
     else:
         from sddoctor.tui.text import render_text
 

@@ -1,12 +1,23 @@
 """Imported by Python at start-up in every process of a job run by `sddoctor run`.
 
-It instruments rank processes (`sddoctor.instrument.boot.bootstrap`) and then runs the
+It starts the watchdog that ends the process when its supervisor is gone
+(`sddoctor.instrument.orphan`), instruments rank processes (`sddoctor.instrument.boot.bootstrap`)
+and then runs the
 sitecustomize that would have run without us, if there is one further down sys.path.
 It must never break the interpreter: every failure is reported on stderr and ignored.
 """
 
 import os
 import sys
+
+
+def _sddoctor_orphan_watch():
+    try:
+        from sddoctor.instrument.orphan import start
+
+        start()
+    except Exception as exc:  # noqa: BLE001
+        print(f"sddoctor: supervisor watchdog disabled in pid {os.getpid()}: {exc!r}", file=sys.stderr)
 
 
 def _sddoctor_bootstrap():
@@ -37,5 +48,6 @@ def _chain_user_sitecustomize():
         print(f"Error in sitecustomize ({spec.origin}); ignored: {exc!r}", file=sys.stderr)
 
 
+_sddoctor_orphan_watch()
 _sddoctor_bootstrap()
 _chain_user_sitecustomize()
