@@ -504,7 +504,7 @@ def _report_run_dir(prog: str, given: str | None) -> tuple[RunDir | None, str | 
     return run_dir, None
 
 
-def _load_report(prog: str, run_dir: RunDir, rediagnose: bool) -> tuple[dict[str, Any] | None, str | None]:
+def _load_report(run_dir: RunDir, rediagnose: bool) -> tuple[dict[str, Any] | None, str | None]:
     """(report, None): report.json, or a diagnosis of the files when there is none (or when
     `rediagnose`); (None, the one-line problem) when the folder holds nothing to diagnose."""
     from sddoctor.supervise.offline import diagnose_run_dir, load_report
@@ -528,6 +528,19 @@ def _load_report(prog: str, run_dir: RunDir, rediagnose: bool) -> tuple[dict[str
         )
 
 
+def _run_dir_and_report(
+    prog: str, given: str | None, rediagnose: bool
+) -> tuple[RunDir, dict[str, Any]] | None:
+    """The run directory and its report; None after saying in one line why there is none."""
+    run_dir, problem = _report_run_dir(prog, given)
+    if run_dir is not None:
+        report, problem = _load_report(run_dir, rediagnose)
+        if report is not None:
+            return run_dir, report
+    print(f"{prog}: {problem}", file=sys.stderr)
+    return None
+
+
 def report_main(argv: list[str]) -> int:
     """`sddoctor report`."""
     from sddoctor.supervise.lifecycle import describe, lease_status
@@ -539,13 +552,10 @@ def report_main(argv: list[str]) -> int:
     if args.output and not args.html:
         print(f"{prog}: --output goes with --html", file=sys.stderr)
         return exitcodes.USAGE
-    run_dir, problem = _report_run_dir(prog, args.run_dir)
-    report = None
-    if run_dir is not None:
-        report, problem = _load_report(prog, run_dir, args.rediagnose)
-    if report is None or run_dir is None:
-        print(f"{prog}: {problem}", file=sys.stderr)
+    found = _run_dir_and_report(prog, args.run_dir, args.rediagnose)
+    if found is None:
         return exitcodes.USAGE
+    run_dir, report = found
     supervisor = lease_status(run_dir.path)
     if supervisor is not None:
         report["supervisor"] = supervisor
@@ -614,13 +624,10 @@ def trace_main(argv: list[str]) -> int:
 
     prog = "sddoctor trace"
     args = trace_parser().parse_args(argv)
-    run_dir, problem = _report_run_dir(prog, args.run_dir)
-    report = None
-    if run_dir is not None:
-        report, problem = _load_report(prog, run_dir, rediagnose=False)
-    if report is None or run_dir is None:
-        print(f"{prog}: {problem}", file=sys.stderr)
+    found = _run_dir_and_report(prog, args.run_dir, rediagnose=False)
+    if found is None:
         return exitcodes.USAGE
+    run_dir, report = found
     target = Path(args.output) if args.output else run_dir.path / "trace.json"
     data = RunData.load(run_dir, report)
     try:

@@ -51,21 +51,8 @@ def apply_facts(state: RunState, facts: dict[str, Any]) -> None:
 
 def hang_verdicts(facts: dict[str, Any]) -> list[Verdict]:
     """The hang verdicts the supervisor froze when it acted on a hang."""
-    out = []
-    for data in facts.get("hang_verdicts") or []:
-        if isinstance(data, dict) and isinstance(data.get("kind"), str):
-            out.append(
-                Verdict(
-                    kind=data["kind"],
-                    severity=str(data.get("severity", "error")),
-                    summary=str(data.get("summary", "")),
-                    culprit_rank=data.get("culprit_rank"),
-                    location=data.get("location"),
-                    details=dict(data.get("details") or {}),
-                    evidence=list(data.get("evidence") or []),
-                )
-            )
-    return out
+    records = facts.get("hang_verdicts") or []
+    return [Verdict.from_dict(d) for d in records if isinstance(d, dict) and isinstance(d.get("kind"), str)]
 
 
 def read_facts(run_dir: RunDir) -> dict[str, Any] | None:
