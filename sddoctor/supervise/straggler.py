@@ -111,7 +111,7 @@ class Finding:
 
 def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
     """The rank the others waited for most in the last `window` seconds of arrivals, or None."""
-    live = [r for r in state.ranks.values() if not r.exited]
+    live = _judged_ranks(state)
     if len(live) < 2:
         return None
     latest = max((a.enqueue for r in live for s in r.arrivals.values() for a in s.values()), default=None)
@@ -154,6 +154,12 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
         until=end,
         shares=shares,
     )
+
+
+def _judged_ranks(state: RunState) -> list[RankState]:
+    """The live ranks; once fewer than two live (the run ended), every rank that left arrivals."""
+    live = [r for r in state.ranks.values() if not r.exited]
+    return live if len(live) >= 2 else [r for r in state.ranks.values() if r.arrivals]
 
 
 def _common_collectives(live: list[RankState], since: float) -> list[dict[int, float]]:
@@ -209,7 +215,7 @@ def where_others_wait(state: RunState, slow: int, since: float) -> str | None:
     the collectives sighted on every live rank: a program issues several collectives per step, and
     the one right after the slow part is where the waiting happens, not the most frequent one.
     """
-    live = [r for r in state.ranks.values() if not r.exited]
+    live = _judged_ranks(state)
     me = state.ranks[slow]
     others = [r for r in live if r.rank != slow]
     if me not in live or not others:
@@ -287,6 +293,25 @@ class StragglerTracker:
             return None
         episode = Episode(rank=rank, since=finding.since, declared=now, finding=finding, last_seen=now)
         self.episodes[rank] = episode
+        return episode
+
+    def final(self, state: RunState, now: float | None = None) -> Episode | None:
+        """At the end of the run: a straggler that held over the whole last window but had no time to
+        be confirmed (a short job) is declared now, without samples (the rank is gone)."""
+        now = time.time() if now is None else now
+        finding = analyse(state)
+        if finding is None or not finding.persistent(state.straggler_ratio) or finding.rank in self.episodes:
+            return None
+        episode = Episode(
+            rank=finding.rank,
+            since=finding.since,
+            declared=now,
+            finding=finding,
+            last_seen=now,
+            cause_problem="the run ended before the straggler could be sampled",
+            ready=True,
+        )
+        self.episodes[finding.rank] = episode
         return episode
 
 

@@ -371,6 +371,7 @@ class Supervisor:
                 self.watcher._rank(rank_id).exit = {**(self.watcher.ranks[rank_id].exit or {}), **proc.exit}
                 self.watcher.ranks[rank_id].alive = False
         state = self.watcher.state(now)
+        self.stragglers.final(state, now)
         facts = self.facts(final=True)
         apply_facts(state, facts)
         for rank in state.ranks.values():
