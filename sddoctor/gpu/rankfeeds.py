@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from sddoctor.gpu.ranks import RankInputs, RankStatus, RateTracker, derive
-from sddoctor.telemetry import EventTail, RunDir, read_json
+from sddoctor.telemetry import EventTail, RunDir, read_json, registry
 
 HTTP_TIMEOUT = 2.0
 
@@ -34,6 +34,7 @@ class RankReport:
     verdicts: list[dict[str, Any]] = field(default_factory=list)  # each with "source" added
     errors: list[str] = field(default_factory=list)
     run_dirs: dict[str, Path] = field(default_factory=dict)  # source -> run dir (for stack dumps)
+    job_dirs: dict[str, str] = field(default_factory=dict)  # source -> the job's working directory
 
     def extend(self, other: RankReport) -> None:
         self.sources += other.sources
@@ -41,6 +42,7 @@ class RankReport:
         self.verdicts += other.verdicts
         self.errors += other.errors
         self.run_dirs.update(other.run_dirs)
+        self.job_dirs.update(other.job_dirs)
 
 
 class RankFeed(Protocol):
@@ -62,9 +64,11 @@ class RunDirFeed:
         clock: Callable[[], float] = time.time,
         hostname: str | None = None,
         pid_alive: Callable[[int], bool] | None = _local_pid_alive,
+        job_dir: str | None = None,
     ) -> None:
         self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.label = self.run_dir.path.name
+        self.job_dir = job_dir if job_dir is not None else guess_job_dir(self.run_dir)
         self.clock = clock
         self.hostname = hostname or socket.gethostname()
         self.pid_alive = pid_alive
@@ -74,6 +78,8 @@ class RunDirFeed:
 
     def poll(self) -> RankReport:
         report = RankReport(sources=[self.label], run_dirs={self.label: self.run_dir.path})
+        if self.job_dir:
+            report.job_dirs[self.label] = self.job_dir
         if not self.run_dir.path.is_dir():
             report.errors.append(f"run directory {self.run_dir.path} does not exist (any more)")
             return report
@@ -110,6 +116,13 @@ class HttpFeed:
         self.clock = clock
         self.timeout = timeout
         self._rates: dict[int, RateTracker] = {}
+        # A supervisor on this host: its registry entry tells its run directory (stack dumps) and
+        # working directory (short call sites), which /api/state does not.
+        live = next(
+            (r for r in registry.live_runs(clean=False) if _same_endpoint(r.endpoint, endpoint)), None
+        )
+        self.run_dir = live.run_dir if live is not None else None
+        self.job_dir = live.cwd if live is not None else None
 
     def poll(self) -> RankReport:
         # imported here: urllib.request pulls in http.client and email (tens of ms at start-up)
@@ -133,6 +146,10 @@ class HttpFeed:
         run_path = run.get("run_dir") or run.get("path")
         if isinstance(run_path, str) and Path(run_path).is_dir():
             report.run_dirs[self.label] = Path(run_path)  # same machine: stack dumps are readable
+        elif self.run_dir is not None:
+            report.run_dirs[self.label] = self.run_dir
+        if self.job_dir:
+            report.job_dirs[self.label] = self.job_dir
         now = self.clock()
         ranks = payload.get("ranks") if isinstance(payload.get("ranks"), dict) else {}
         for key, state in sorted(ranks.items(), key=lambda kv: _rank_key(kv[0])):
@@ -163,6 +180,30 @@ class MultiFeed:
             report.extend(feed.poll())
         report.ranks.sort(key=lambda r: (r.rank, r.node))
         return report
+
+
+def guess_job_dir(run_dir: RunDir) -> str | None:
+    """The working directory of the job that writes `run_dir`, where it can be told: the registry
+    entry of its live supervisor, else the folder holding ./sddoctor-runs/ (or ./runs/) when the
+    run directory is in one, as `sddoctor run` makes it by default."""
+    live = registry.find_live_run(run_dir.path)
+    if live is not None and live.cwd:
+        return live.cwd
+    parent = run_dir.path.resolve().parent
+    if parent.name in ("sddoctor-runs", "runs"):
+        return str(parent.parent)
+    return None
+
+
+def _same_endpoint(url: str | None, endpoint: str) -> bool:
+    """Whether a registry entry's endpoint URL (http://HOST:PORT) is the HOST:PORT polled."""
+    if not url:
+        return False
+    where = url.split("://", 1)[-1].rstrip("/")
+    host, _, port = endpoint.rpartition(":")
+    local = {"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", socket.gethostname()}
+    entry_host, _, entry_port = where.rpartition(":")
+    return port == entry_port and (host == entry_host or (host in local and entry_host in local))
 
 
 def _rank_key(key: Any) -> int:

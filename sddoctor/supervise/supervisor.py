@@ -19,7 +19,7 @@ from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
-from sddoctor.telemetry import RunDir
+from sddoctor.telemetry import RunDir, registry
 
 #: Exit codes of `sddoctor run` besides the job's own (docs/run.md has the table).
 EXIT_USAGE = 2
@@ -101,6 +101,7 @@ class Supervisor:
                     f"cannot serve state on {self.opts.bind}:{self.opts.port}: {exc}; continuing without"
                 )
         self.say(f"run dir: {self.opts.run_dir.path}")
+        live = registry.announce(self.opts.run_dir, self.opts.command)
         restore = install_forwarding(self.job, self.signals.append)
         peer_thread = None
         try:
@@ -111,6 +112,7 @@ class Supervisor:
             self._loop()
         finally:
             restore()
+            live.remove()  # `sddoctor tui` lists live runs only
             # Nothing of the job survives sddoctor, whatever happened.
             if not self.job.wait_gone(2.0):
                 self.job.kill_tree(grace=3.0)

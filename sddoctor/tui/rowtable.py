@@ -7,27 +7,96 @@ once as a single Text and draws it as a strip (Textual's line API). It keeps wha
 monitor uses from DataTable: a header, a cursor kept on the same row key across updates,
 keys (up/down/page/home/end, enter), mouse (click to select, click again to open, wheel), and
 a `RowSelected` message.
+
+Columns fit the width the table has, as nvitop's and htop's do: each `Column` has a priority,
+and the ones that do not fit are left out, least important first (a column whose cells are all
+empty is left out too); one `flex` column takes the width the others leave and cuts its cells
+its own way (a path keeps its file name). Only when even the columns of priority 0 do not fit
+does the table scroll sideways.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
-from textual.events import Click
+from textual.events import Click, Resize
 from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-GAP = 2
+GAPS = (2, 1)  # space between columns: two where everything that matters fits, else one
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    priority: int = 0  # 0: always shown; higher numbers are left out first when space is short
+    max_width: int = 40  # longer cells are cut with an ellipsis
+    align: str = "left"  # "right" for numbers
+    flex: bool = False  # takes the width the other columns leave, at least `min_width`
+    min_width: int = 8
+    clip: Callable[[str, int], str] | None = None  # how a flex cell is cut (default: ellipsis at the end)
+
+
+def _as_column(c: Column | str) -> Column:
+    return c if isinstance(c, Column) else Column(c)
+
+
+def fit_columns(columns: list[Column], natural: list[int], width: int) -> tuple[list[tuple[int, int]], int]:
+    """Which columns to show in `width` cells, and how wide: [(column index, width)], gap.
+
+    `natural[i]` is the width column i's widest cell wants (0: the column is empty, left out).
+    """
+    present = [i for i, w in enumerate(natural) if w > 0]
+    order = sorted(present, key=lambda i: (columns[i].priority, i))
+    chosen: list[int] = []
+    gap, total = GAPS[0], 0
+    for gap in GAPS:
+        chosen, total = [], 0
+        for i in order:
+            c = columns[i]
+            need = min(natural[i], max(c.min_width, len(c.title))) if c.flex else natural[i]
+            extra = need + (gap if chosen else 0)
+            if c.priority == 0 or total + extra <= width:
+                chosen.append(i)
+                total += extra
+        if total <= width:
+            break
+    widths = {}
+    spare = max(0, width - total)
+    for i in sorted(chosen):
+        c = columns[i]
+        if c.flex:
+            base = min(natural[i], max(c.min_width, len(c.title)))
+            grow = min(natural[i] - base, spare)
+            spare -= grow
+            widths[i] = base + grow
+        else:
+            widths[i] = natural[i]
+    return [(i, widths[i]) for i in sorted(chosen)], gap
+
+
+def _cut(cell: Text, width: int, column: Column) -> Text:
+    if cell.cell_len > width:
+        if column.clip is not None:
+            cell = Text(column.clip(cell.plain, width), style=cell.style)
+        else:
+            cell = cell.copy()
+            cell.truncate(width, overflow="ellipsis")
+    if cell.cell_len < width:
+        pad = " " * (width - cell.cell_len)
+        cell = Text(pad, style=cell.style) + cell if column.align == "right" else cell + pad
+    return cell
 
 
 class RowTable(ScrollView, can_focus=True):
     DEFAULT_CSS = """
-    RowTable { height: 1fr; }
+    RowTable { height: 1fr; scrollbar-size-vertical: 1; scrollbar-gutter: stable; }
     RowTable > .rowtable--header { text-style: bold; color: $text-accent; }
     RowTable > .rowtable--cursor { background: $accent 40%; }
     RowTable:focus > .rowtable--cursor { background: $accent; color: $text; }
@@ -50,12 +119,13 @@ class RowTable(ScrollView, can_focus=True):
         cursor_row: int
         key: str
 
-    def __init__(self, columns: list[str], *, id: str | None = None, max_width: int = 80) -> None:  # noqa: A002
+    def __init__(self, columns: list[Column | str], *, id: str | None = None) -> None:  # noqa: A002
         super().__init__(id=id)
-        self.columns = columns
-        self.max_width = max_width
+        self.columns = [_as_column(c) for c in columns]
         self._rows: list[tuple[str, list[Text]]] = []
-        self._widths = [len(c) for c in columns]
+        self._natural = [len(c.title) for c in self.columns]
+        self._layout: tuple[list[tuple[int, int]], int] = ([], GAPS[0])
+        self._layout_for: tuple[int, tuple[int, ...]] | None = None
         self.cursor_row = 0
 
     # -- data ----------------------------------------------------------------------------------
@@ -70,28 +140,51 @@ class RowTable(ScrollView, can_focus=True):
     def row_key(self, index: int) -> str:
         return self._rows[index][0]
 
+    @property
+    def shown_columns(self) -> list[str]:
+        """Titles of the columns drawn at the present width."""
+        return [self.columns[i].title for i, _ in self._layout[0]]
+
     def set_rows(self, rows: list[tuple[str, list[Text]]]) -> None:
         """Replace all rows; the cursor stays on the row with the same key when there is one."""
         if rows == self._rows:
             return
         current = self._rows[self.cursor_row][0] if 0 <= self.cursor_row < len(self._rows) else None
-        widths = [len(c) for c in self.columns]
+        natural = [0] * len(self.columns)
         for _, cells in rows:
-            for i, cell in enumerate(cells[: len(widths)]):
-                widths[i] = max(widths[i], min(cell.cell_len, self.max_width))
+            for i, cell in enumerate(cells[: len(natural)]):
+                if cell.cell_len > natural[i]:
+                    natural[i] = cell.cell_len
+        for i, c in enumerate(self.columns):
+            if natural[i] or not rows:  # an empty column stays out; an empty table shows its header
+                limit = natural[i] if c.flex else min(natural[i], c.max_width)
+                natural[i] = max(limit, len(c.title))
         keys = [k for k, _ in rows]
-        if widths == self._widths and keys == [k for k, _ in self._rows]:
+        if natural == self._natural and keys == [k for k, _ in self._rows]:
             # the same rows with some new values: redraw only the lines that changed
             changed = [i for i, (new, old) in enumerate(zip(rows, self._rows, strict=True)) if new != old]
             self._rows = rows
             for i in changed:
                 self.refresh_line(i + 1)  # line 0 is the header
             return
-        self._rows, self._widths = rows, widths
+        self._rows, self._natural = rows, natural
         self.cursor_row = (
             keys.index(current) if current in keys else min(self.cursor_row, max(0, len(rows) - 1))
         )
-        self.virtual_size = Size(sum(widths) + GAP * len(widths), len(rows) + 1)
+        self._relayout()
+
+    def on_resize(self, event: Resize) -> None:
+        self._relayout()
+
+    def _relayout(self) -> None:
+        width = self.scrollable_content_region.width or self.size.width
+        key = (width, tuple(self._natural))
+        if key != self._layout_for:
+            self._layout_for = key
+            self._layout = fit_columns(self.columns, self._natural, width)
+        shown, gap = self._layout
+        line = sum(w for _, w in shown) + gap * max(0, len(shown) - 1)
+        self.virtual_size = Size(line, len(self._rows) + 1)
         self.refresh()
 
     def move_cursor(self, row: int) -> None:
@@ -109,25 +202,29 @@ class RowTable(ScrollView, can_focus=True):
     # -- drawing -------------------------------------------------------------------------------
 
     def _line_text(self, cells: list[Text]) -> Text:
+        shown, gap = self._layout
         line = Text(no_wrap=True, overflow="ellipsis")
-        for width, cell in zip(self._widths, cells, strict=False):
-            piece = cell.copy()
-            piece.truncate(width, overflow="ellipsis", pad=True)
-            line.append_text(piece)
-            line.append(" " * GAP)
+        for n, (i, width) in enumerate(shown):
+            if n:
+                line.append(" " * gap)
+            cell = cells[i] if i < len(cells) else Text()
+            line.append_text(_cut(cell, width, self.columns[i]))
         return line
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         scroll_x, scroll_y = self.scroll_offset
         if y == 0:
-            text = self._line_text([Text(c) for c in self.columns])
+            text = self._line_text([Text(c.title) for c in self.columns])
             style = self.get_component_rich_style("rowtable--header")
         else:
             index = y - 1 + scroll_y
             if index >= len(self._rows):
                 return Strip.blank(width, self.rich_style)
-            text = self._line_text(self._rows[index][1])
+            cells = self._rows[index][1]
+            if index == self.cursor_row:  # plain text: a coloured cell would not read on the cursor
+                cells = [Text(c.plain) for c in cells]
+            text = self._line_text(cells)
             if index == self.cursor_row:
                 style = self.get_component_rich_style("rowtable--cursor")
             elif index % 2:
