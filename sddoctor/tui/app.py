@@ -49,13 +49,14 @@ class MonitorApp(App[None]):
     TITLE = "sddoctor tui"
     CSS = """
     #host { background: $boost; padding: 0 1; }
-    #gpus { padding: 0 0 0 1; }
+    #gpus { padding: 0 0 0 1; scrollbar-gutter: stable; scrollbar-size-horizontal: 0; }
     #procs { height: 1fr; min-height: 4; }
     #ranks { height: 1fr; min-height: 4; }
     #alerts { max-height: 15%; padding: 0 0 0 1; background: $boost; }
     #filter { dock: bottom; display: none; }
     #filter.shown { display: block; }
-    RowTable { border-top: solid $primary-darken-2; }
+    #procs, #ranks { border-top: solid $primary-darken-2; }
+    #procs.empty, #ranks.empty { height: auto; min-height: 2; }
     """
     AUTO_FOCUS = None  # on_mount focuses the ranks of a run, else the processes
     BINDINGS = [
@@ -78,6 +79,7 @@ class MonitorApp(App[None]):
         pick_runs: list[LiveRun] | None = None,
     ) -> None:
         super().__init__()
+        self.animation_level = "none"  # a monitor: scrolling jumps, nothing glides
         self.collector = collector
         self.feed = feed
         self.interval = interval
@@ -205,6 +207,8 @@ class MonitorApp(App[None]):
         width = host.size.width or self.size.width - 2
         host.set_lines([views.host_line(ov, width, paused=self.paused, filter_text=self.filter_text)])
         gpus = self.query_one("#gpus", ScrollLines)
+        # the scrollbar's column is always kept (gutter: stable): the width changes only with the
+        # terminal's, so lines built for it stay right when the panel starts or stops scrolling
         gpu_width = gpus.scrollable_content_region.width or self.size.width - 2
         gpus.set_lines(views.gpu_lines(ov, self.collector.history, gpu_width, self._gpu_rows()))
         self._render_processes(ov)
@@ -223,6 +227,7 @@ class MonitorApp(App[None]):
         which = self.proc_sort
         rows.sort(key=lambda r: r[0][which], reverse=which in (0, 1))
         table.set_rows([(k, c) for _, k, c in rows if self._matches_filter(c)])
+        table.set_class(table.row_count == 0, "empty")  # the other table gets the room
         _set_title(table, f"processes (sort: {PROCESS_SORTS[which]})")
 
     def _render_ranks(self, ov: Overview) -> None:
@@ -237,6 +242,7 @@ class MonitorApp(App[None]):
                 shown.append(r)
         self._shown_ranks = shown
         table.set_rows(rows)
+        table.set_class(not rows, "empty")
         title = views.ranks_title(ov, which)
         if not ov.report.sources and self.feed is None and self.pick_runs:
             title = f"ranks: no run picked; r lists the {len(self.pick_runs)} live runs"
@@ -305,7 +311,7 @@ class MonitorApp(App[None]):
     def _show_runs(self, runs: list[LiveRun]) -> None:
         from sddoctor.tui.screens import RunsScreen
 
-        self.push_screen(RunsScreen(runs), callback=self.open_run)
+        self.push_screen(RunsScreen(runs, now=self.clock()), callback=self.open_run)
 
     def open_run(self, run: LiveRun | None) -> None:
         """Watch the ranks of `run` (a live run picked from the registry) from now on."""

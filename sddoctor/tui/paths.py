@@ -58,7 +58,8 @@ def shorten_paths_in(text: str, job_dir: str | None = None) -> str:
 def elide_path(site: str, width: int) -> str:
     """`site` in at most `width` cells, cutting whole folders out of the middle:
     torch/nn/parallel/distributed.py:1234 -> torch/…/distributed.py:1234. The file name and
-    line stay; only when even `first/…/file:line` does not fit is the start cut."""
+    line stay; where even `first/…/file:line` does not fit, `…/file:line`, and only then is the
+    start of the file name cut."""
     if len(site) <= width:
         return site
     parts = site.split("/")
@@ -69,4 +70,6 @@ def elide_path(site: str, width: int) -> str:
             candidate = "/".join([head, "…", *tail])
             if len(candidate) <= width:
                 return candidate
+    if len(parts) > 1 and len(parts[-1]) + 2 <= width:
+        return "…/" + parts[-1]
     return "…" + site[len(site) - width + 1 :] if width > 1 else "…"[:width]

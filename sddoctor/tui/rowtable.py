@@ -137,6 +137,9 @@ class RowTable(ScrollView, can_focus=True):
     def get_row_at(self, index: int) -> list[str]:
         return [c.plain for c in self._rows[index][1]]
 
+    def column_index(self, title: str) -> int:
+        return next(i for i, c in enumerate(self.columns) if c.title == title)
+
     def row_key(self, index: int) -> str:
         return self._rows[index][0]
 
@@ -157,8 +160,7 @@ class RowTable(ScrollView, can_focus=True):
                     natural[i] = cell.cell_len
         for i, c in enumerate(self.columns):
             if natural[i] or not rows:  # an empty column stays out; an empty table shows its header
-                limit = natural[i] if c.flex else min(natural[i], c.max_width)
-                natural[i] = max(limit, len(c.title))
+                natural[i] = max(min(natural[i], c.max_width), len(c.title))
         keys = [k for k, _ in rows]
         if natural == self._natural and keys == [k for k, _ in self._rows]:
             # the same rows with some new values: redraw only the lines that changed
@@ -184,8 +186,10 @@ class RowTable(ScrollView, can_focus=True):
             self._layout = fit_columns(self.columns, self._natural, width)
         shown, gap = self._layout
         line = sum(w for _, w in shown) + gap * max(0, len(shown) - 1)
+        height = self.virtual_size.height
         self.virtual_size = Size(line, len(self._rows) + 1)
-        self.refresh()
+        # a new layout only when the height changes (it matters to a table of height auto)
+        self.refresh(layout=height != self.virtual_size.height)
 
     def move_cursor(self, row: int) -> None:
         if not self._rows:

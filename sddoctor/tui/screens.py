@@ -138,9 +138,13 @@ class RankScreen(ModalScreen[None]):
 
     def _details(self) -> Table:
         r, g = self.rank, self.gpu
-        state = Text(f"{r.state}: {shorten_paths_in(r.state_text, self.job_dir)}", style=STATE_STYLE.get(r.state, ""))
+        state = Text(
+            f"{r.state}: {shorten_paths_in(r.state_text, self.job_dir)}", style=STATE_STYLE.get(r.state, "")
+        )
         if self.gone:
-            state = Text("no longer reported by its source (the values below are the last known)", style="dim")
+            state = Text(
+                "no longer reported by its source (the values below are the last known)", style="dim"
+            )
         rows: list[tuple[str, Any]] = [
             ("state", state),
             (
@@ -207,7 +211,7 @@ class RunsScreen(ModalScreen["LiveRun | None"]):
         width: 100%; max-width: 140; height: auto; max-height: 100%;
         border: round $accent; background: $panel;
     }
-    RunsScreen RowTable { height: auto; max-height: 20; border-top: none; }
+    RunsScreen RowTable { height: auto; max-height: 20; overflow-x: hidden; scrollbar-gutter: auto; }
     RunsScreen #runs-hint { padding: 0 1; color: $text-muted; }
     """
 

@@ -11,6 +11,8 @@ samples it reports). The whole job's rate is their sum, and is labelled "all ran
 
 from __future__ import annotations
 
+import textwrap
+
 from rich.text import Text
 
 from sddoctor.gpu.collector import History
@@ -49,17 +51,17 @@ PROCESS_SORTS = ("gpu memory", "cpu", "pid", "rank", "gpu")
 
 RANK_COLUMNS = [
     Column("Rank", align="right", max_width=8),
-    Column("Node", priority=3, max_width=21),
+    Column("Node", priority=1, max_width=21),
     Column("PID", priority=5, align="right", max_width=8),
-    Column("GPU", priority=2, align="right", max_width=3),
+    Column("GPU", priority=3, align="right", max_width=3),
     Column("State", max_width=14),
     Column("Step", align="right", max_width=9),
-    Column("Loss", priority=1, align="right", max_width=8),
+    Column("Loss", priority=2, align="right", max_width=8),
     Column("it/s", priority=4, align="right", max_width=7),
     Column("img/s", align="right", max_width=8),
     Column("Collective", max_width=28),
-    Column("Call site", flex=True, min_width=14, max_width=200, clip=elide_path),
-    Column("Detail", priority=6, max_width=60),
+    Column("Call site", flex=True, min_width=24, max_width=200, clip=elide_path),
+    Column("Detail", priority=6, flex=True, min_width=16, max_width=90),
 ]
 RANK_SORTS = ("rank", "step", "it/s", "state")
 
@@ -116,7 +118,7 @@ def gpu_lines(ov: Overview, history: History, width: int, max_lines: int) -> lis
     snap = ov.snapshot
     if not snap.nvml_available:
         note = f"No GPU data: {snap.nvml_note}. Host and rank data below still update."
-        return [Text(note, style="yellow")]
+        return [Text(line, style="yellow") for line in textwrap.wrap(note, max(20, width))]
     two = width >= TWO_LINE_WIDTH and 2 * len(snap.gpus) <= max_lines
     index_width = len(str(max((g.index for g in snap.gpus), default=0)))
     lines = []
