@@ -166,14 +166,14 @@ async def test_pcie_reader_starts_after_the_first_sample_is_shown():
     collector = Collector(NvmlSource(pcie_interval=0.02, open_in_background=True), FixedHost())
     app = MonitorApp(collector, None, interval=0.02)
     pcie_calls_at_first_frame = []
-    show = app._on_snapshot
+    show = app._on_data
 
-    def on_snapshot(snap):
+    def on_data(snap, report):
         if not pcie_calls_at_first_frame:
             pcie_calls_at_first_frame.append(fake.calls.get("pcie", 0))
-        show(snap)
+        show(snap, report)
 
-    app._on_snapshot = on_snapshot
+    app._on_data = on_data
     async with app.run_test(size=(160, 50)) as pilot:
         await _ready(app, pilot)
         deadline = time.monotonic() + 10

@@ -75,6 +75,8 @@ class RunDirFeed:
         self._tails: dict[int, EventTail] = {}
         self._inputs: dict[int, RankInputs] = {}
         self._rates: dict[int, RateTracker] = {}
+        self._state_files: dict[int, str] = {}
+        self._verdicts: tuple[tuple[int, int] | None, list[dict[str, Any]]] = (None, [])
 
     def poll(self) -> RankReport:
         report = RankReport(sources=[self.label], run_dirs={self.label: self.run_dir.path})
@@ -83,20 +85,23 @@ class RunDirFeed:
         if not self.run_dir.path.is_dir():
             report.errors.append(f"run directory {self.run_dir.path} does not exist (any more)")
             return report
-        verdicts = _verdicts_of(read_json(self.run_dir.report_json))
+        verdicts = self._read_verdicts()
         report.verdicts = [dict(v, source=self.label) for v in verdicts]
         now = self.clock()
         for rank in self.run_dir.ranks():
-            tail = self._tails.setdefault(rank, EventTail(self.run_dir.events_file(rank)))
-            inputs = self._inputs.setdefault(rank, RankInputs(rank=rank, node=self.label))
-            rates = self._rates.setdefault(rank, RateTracker())
+            if rank not in self._tails:
+                self._tails[rank] = EventTail(self.run_dir.events_file(rank))
+                self._inputs[rank] = RankInputs(rank=rank, node=self.label)
+                self._rates[rank] = RateTracker()
+                self._state_files[rank] = str(self.run_dir.state_file(rank))
+            tail, inputs, rates = self._tails[rank], self._inputs[rank], self._rates[rank]
             for ev in tail.poll():
                 kind = ev.get("kind")
                 if kind == "step":
                     rates.add(ev.get("t"), ev.get("step"), ev.get("samples"))
                 elif kind in ("start", "exit", "exception", "fallback", "oom"):
                     setattr(inputs, kind, ev)
-            inputs.state = read_json(self.run_dir.state_file(rank))
+            inputs.state = read_json(self._state_files[rank])
             host = (inputs.state or {}).get("host") or (inputs.start or {}).get("host")
             pid = (inputs.state or {}).get("pid") or (inputs.start or {}).get("pid")
             inputs.pid_alive = None
@@ -104,6 +109,19 @@ class RunDirFeed:
                 inputs.pid_alive = self.pid_alive(pid)
             report.ranks.append(derive(inputs, rates, verdicts, now))
         return report
+
+    def _read_verdicts(self) -> list[dict[str, Any]]:
+        """report.json's verdicts, read again only when the file changed (it is written at a hang
+        and at the end; the ranks' files change every second)."""
+        try:
+            st = os.stat(self.run_dir.report_json)
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp is None or stamp != self._verdicts[0]:
+            verdicts = _verdicts_of(read_json(self.run_dir.report_json)) if stamp is not None else []
+            self._verdicts = (stamp, verdicts)
+        return self._verdicts[1]
 
 
 class HttpFeed:

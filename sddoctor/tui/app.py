@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.css.query import NoMatches
@@ -32,7 +31,7 @@ from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSnapshot
 from sddoctor.tui import views
 from sddoctor.tui.footer import SteadyFooter
-from sddoctor.tui.rowtable import RowTable
+from sddoctor.tui.rowtable import Cell, RowTable
 from sddoctor.tui.textlines import ScrollLines, TextLines
 
 if TYPE_CHECKING:
@@ -40,6 +39,9 @@ if TYPE_CHECKING:
     from sddoctor.tui.screens import RankScreen
 
 # Kept importable from here: tests and the screens refer to them through the app module.
+#: Seconds the GPU sampler waits for the rank poll started with it, to draw both in one frame.
+JOINT_WAIT = 0.25
+
 STATE_STYLE = views.STATE_STYLE
 PROCESS_SORTS = views.PROCESS_SORTS
 RANK_SORTS = views.RANK_SORTS
@@ -99,6 +101,8 @@ class MonitorApp(App[None]):
         self._poll_now = threading.Event()
         self._shown_ranks: list[RankStatus] = []
         self._rank_screen: RankScreen | None = None  # the open rank details, refreshed with the data
+        self._joint = JointDelivery()
+        self._shown_data = False
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -144,10 +148,19 @@ class MonitorApp(App[None]):
 
     def _gpu_loop(self) -> None:
         pcie_started = False
+        polled_ranks = float("-inf")
         while not self._stop.is_set():
             if not self.paused:
+                with_ranks = (
+                    self.feed is not None and time.monotonic() - polled_ranks >= 0.9 * self.rank_interval
+                )
+                if with_ranks:
+                    polled_ranks = time.monotonic()
+                    self._joint.expect()
+                    self._poll_now.set()  # the rank poll runs alongside this sample
                 snap = self.collector.sample()
-                self.call_from_thread(self._on_snapshot, snap)
+                report = self._joint.take(JOINT_WAIT) if with_ranks else None
+                self.call_from_thread(self._on_data, snap, report)
                 if not pcie_started:
                     # Only after the first sample is on screen: PCIe reads block ~20 ms per
                     # direction per GPU inside NVML and would otherwise delay the first frame.
@@ -163,24 +176,25 @@ class MonitorApp(App[None]):
                     report = feed.poll()
                 except Exception as exc:  # noqa: BLE001 - a bad file or payload must not stop the monitor
                     report = RankReport(errors=[f"reading rank telemetry failed: {exc!r}"])
-                if feed is self.feed:
-                    self.call_from_thread(self._on_report, report)
-            self._poll_now.wait(self.rank_interval)
+                if feed is self.feed and not self._joint.give(report):
+                    self.call_from_thread(self._on_data, None, report)
+            # woken by the GPU sampler (in step with its samples), else by a timeout of its own
+            self._poll_now.wait(1.5 * self.rank_interval)
             self._poll_now.clear()
 
-    def _on_snapshot(self, snap: GpuSnapshot) -> None:
-        self.snapshot = snap
-        self.gpu_updates += 1
-        self._render()
-
-    def _on_report(self, report: RankReport) -> None:
-        self.report = report
-        self.rank_updates += 1
+    def _on_data(self, snap: GpuSnapshot | None, report: RankReport | None) -> None:
+        if snap is not None:
+            self.snapshot = snap
+            self.gpu_updates += 1
+        if report is not None:
+            self.report = report
+            self.rank_updates += 1
         self._render()
 
     @property
     def ready(self) -> bool:
-        return self.snapshot is not None and self.report is not None
+        """Whether the screen shows a GPU sample and a rank report."""
+        return self._shown_data
 
     # -- rendering ------------------------------------------------------------------------------
 
@@ -194,6 +208,7 @@ class MonitorApp(App[None]):
             # A sample delivered by a worker while the main screen's widgets are not mounted (the
             # app is starting or shutting down): nothing to draw on; the next sample redraws.
             return
+        self._shown_data = self.report is not None
         if self._rank_screen is not None:
             if self._rank_screen.is_attached:
                 self._update_rank_screen(self._rank_screen)
@@ -215,11 +230,11 @@ class MonitorApp(App[None]):
         self._render_ranks(ov)
         self.query_one("#alerts", ScrollLines).set_lines(views.alert_lines(ov))
 
-    def _matches_filter(self, cells: list[Text]) -> bool:
+    def _matches_filter(self, cells: list[Cell]) -> bool:
         if not self.filter_text:
             return True
         needle = self.filter_text.lower()
-        return any(needle in c.plain.lower() for c in cells)
+        return any(needle in (c if isinstance(c, str) else c.plain).lower() for c in cells)
 
     def _render_processes(self, ov: Overview) -> None:
         table = self.query_one("#procs", RowTable)
@@ -335,6 +350,41 @@ class MonitorApp(App[None]):
             self._rank_screen = RankScreen(rank, run_dir)
             self._update_rank_screen(self._rank_screen)
             self.push_screen(self._rank_screen)
+
+
+class JointDelivery:
+    """A rank report handed from the rank poller to the GPU sampler waiting for it, so that a
+    sample and a report taken together reach the screen as one frame: each frame costs a pass of
+    Textual's compositor. A report that comes too late (a slow endpoint) goes on its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._waiting = False
+        self._report: RankReport | None = None
+
+    def expect(self) -> None:
+        """The sampler will wait for the next report."""
+        with self._lock:
+            self._waiting, self._report = True, None
+            self._ready.clear()
+
+    def give(self, report: RankReport) -> bool:
+        """Hand `report` over; False when the sampler is not waiting (deliver it yourself)."""
+        with self._lock:
+            if not self._waiting:
+                return False
+            self._report = report
+            self._ready.set()
+            return True
+
+    def take(self, timeout: float) -> RankReport | None:
+        """The report, once given or after `timeout` seconds (None); stops waiting either way."""
+        self._ready.wait(timeout)
+        with self._lock:
+            self._waiting = False
+            report, self._report = self._report, None
+            return report
 
 
 def _set_title(widget: RowTable, title: str) -> None:

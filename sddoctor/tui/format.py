@@ -65,12 +65,12 @@ def age(seconds: float | None) -> str:
 
 def sparkline(values: list[float], width: int, top: float = 100.0) -> str:
     """The last `width` values as block characters scaled to [0, top]."""
-    values = values[-width:]
-    out = []
-    for v in values:
-        frac = 0.0 if top <= 0 else max(0.0, min(1.0, v / top))
-        out.append(SPARK_CHARS[round(frac * (len(SPARK_CHARS) - 1))])
-    return "".join(out).rjust(width)
+    if top <= 0:
+        return " " * width
+    steps = len(SPARK_CHARS) - 1
+    scale = steps / top
+    chars = SPARK_CHARS
+    return "".join(chars[min(steps, max(0, round(v * scale)))] for v in values[-width:]).rjust(width)
 
 
 def bar(frac: float | None, width: int) -> str:

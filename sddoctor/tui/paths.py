@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/")
 _STDLIB = re.compile(r"/lib/python\d+(?:\.\d+)?t?/")
@@ -35,10 +36,15 @@ def short_path(path: str, job_dir: str | None = None) -> str:
     stdlib = [m.end() for m in _STDLIB.finditer(path)]
     if stdlib:
         return path[stdlib[-1] :]
-    home = os.path.expanduser("~").rstrip("/") + "/"
+    home = _home()
     if home != "//" and path.startswith(home):
         return "~/" + path[len(home) :]
     return path
+
+
+@lru_cache(maxsize=1)
+def _home() -> str:
+    return os.path.expanduser("~").rstrip("/") + "/"
 
 
 def short_site(site: str | None, job_dir: str | None = None) -> str | None:

@@ -2,8 +2,8 @@
 
 Textual's DataTable re-renders every visible cell through Rich after any change; at one
 update a second with 8 GPUs that alone cost more than 1% of a core. The monitor's tables are
-rewritten wholesale each sample and need no cell editing, so this widget lays each row out
-once as a single Text and draws it as a strip (Textual's line API). It keeps what the
+rewritten wholesale each sample and need no cell editing, so this widget draws each row
+straight to segments, one per cell, and hands Textual a strip (its line API). It keeps what the
 monitor uses from DataTable: a header, a cursor kept on the same row key across updates,
 keys (up/down/page/home/end, enter), mouse (click to select, click again to open, wheel), and
 a `RowSelected` message.
@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
+from rich.cells import cell_len, set_cell_size
+from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
@@ -81,17 +84,29 @@ def fit_columns(columns: list[Column], natural: list[int], width: int) -> tuple[
     return [(i, widths[i]) for i in sorted(chosen)], gap
 
 
-def _cut(cell: Text, width: int, column: Column) -> Text:
-    if cell.cell_len > width:
-        if column.clip is not None:
-            cell = Text(column.clip(cell.plain, width), style=cell.style)
-        else:
-            cell = cell.copy()
-            cell.truncate(width, overflow="ellipsis")
-    if cell.cell_len < width:
-        pad = " " * (width - cell.cell_len)
-        cell = Text(pad, style=cell.style) + cell if column.align == "right" else cell + pad
-    return cell
+#: A cell: a plain string, or a Text drawn in its (base) style.
+Cell = str | Text
+
+
+def _plain(cell: Cell) -> str:
+    return cell if isinstance(cell, str) else cell.plain
+
+
+def _fit(text: str, width: int, column: Column) -> str:
+    """`text` in exactly `width` cells: cut (the column's way, else with an ellipsis), then padded."""
+    size = cell_len(text)
+    if size > width:
+        text = column.clip(text, width) if column.clip is not None else set_cell_size(text, width - 1) + "…"
+        size = cell_len(text)
+    if size < width:
+        pad = " " * (width - size)
+        text = pad + text if column.align == "right" else text + pad
+    return text
+
+
+@lru_cache(maxsize=256)
+def _style_of(style: str | Style) -> Style:
+    return style if isinstance(style, Style) else Style.parse(style)
 
 
 class RowTable(ScrollView, can_focus=True):
@@ -122,11 +137,16 @@ class RowTable(ScrollView, can_focus=True):
     def __init__(self, columns: list[Column | str], *, id: str | None = None) -> None:  # noqa: A002
         super().__init__(id=id)
         self.columns = [_as_column(c) for c in columns]
-        self._rows: list[tuple[str, list[Text]]] = []
+        self._rows: list[tuple[str, list[Cell]]] = []
         self._natural = [len(c.title) for c in self.columns]
         self._layout: tuple[list[tuple[int, int]], int] = ([], GAPS[0])
         self._layout_for: tuple[int, tuple[int, ...]] | None = None
         self.cursor_row = 0
+        self._style: Style | None = None  # rich_style walks the ancestors: once per style change
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._style = None
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -135,7 +155,7 @@ class RowTable(ScrollView, can_focus=True):
         return len(self._rows)
 
     def get_row_at(self, index: int) -> list[str]:
-        return [c.plain for c in self._rows[index][1]]
+        return [_plain(c) for c in self._rows[index][1]]
 
     def column_index(self, title: str) -> int:
         return next(i for i, c in enumerate(self.columns) if c.title == title)
@@ -148,26 +168,31 @@ class RowTable(ScrollView, can_focus=True):
         """Titles of the columns drawn at the present width."""
         return [self.columns[i].title for i, _ in self._layout[0]]
 
-    def set_rows(self, rows: list[tuple[str, list[Text]]]) -> None:
-        """Replace all rows; the cursor stays on the row with the same key when there is one."""
+    def set_rows(self, rows: list[tuple[str, list[Cell]]]) -> None:
+        """Replace all rows (each a key and its cells: plain strings, or Text for a styled cell);
+        the cursor stays on the row with the same key when there is one."""
         if rows == self._rows:
             return
         current = self._rows[self.cursor_row][0] if 0 <= self.cursor_row < len(self._rows) else None
         natural = [0] * len(self.columns)
         for _, cells in rows:
             for i, cell in enumerate(cells[: len(natural)]):
-                if cell.cell_len > natural[i]:
-                    natural[i] = cell.cell_len
+                size = cell_len(cell) if isinstance(cell, str) else cell.cell_len
+                if size > natural[i]:
+                    natural[i] = size
         for i, c in enumerate(self.columns):
             if natural[i] or not rows:  # an empty column stays out; an empty table shows its header
                 natural[i] = max(min(natural[i], c.max_width), len(c.title))
         keys = [k for k, _ in rows]
         if natural == self._natural and keys == [k for k, _ in self._rows]:
             # the same rows with some new values: redraw only the lines that changed
-            changed = [i for i, (new, old) in enumerate(zip(rows, self._rows, strict=True)) if new != old]
+            top = int(self.scroll_y)
+            body = range(top, top + max(0, self.scrollable_content_region.height - 1))
+            changed = [i for i in body if i < len(rows) and rows[i] != self._rows[i]]
             self._rows = rows
+            # each changed line alone: the border and the header stay as drawn
             for i in changed:
-                self.refresh_line(i + 1)  # line 0 is the header
+                self.refresh_line(i + 1)  # line 0 is the header (refresh_line takes off the scroll)
             return
         self._rows, self._natural = rows, natural
         self.cursor_row = (
@@ -205,40 +230,48 @@ class RowTable(ScrollView, can_focus=True):
 
     # -- drawing -------------------------------------------------------------------------------
 
-    def _line_text(self, cells: list[Text]) -> Text:
+    def _line(self, cells: list[Cell], line_style: Style, plain: bool) -> Strip:
+        """One row as a strip as wide as the widget: each cell cut or padded to its column, drawn
+        in the cell's own style over `line_style` (a cell's spans are not drawn; `plain` drops
+        the cells' styles too)."""
         shown, gap = self._layout
-        line = Text(no_wrap=True, overflow="ellipsis")
+        segments = []
+        length = 0
         for n, (i, width) in enumerate(shown):
             if n:
-                line.append(" " * gap)
-            cell = cells[i] if i < len(cells) else Text()
-            line.append_text(_cut(cell, width, self.columns[i]))
-        return line
+                segments.append(Segment(" " * gap, line_style))
+                length += gap
+            cell = cells[i] if i < len(cells) else ""
+            if isinstance(cell, str):
+                text, style = cell, line_style
+            else:
+                text = cell.plain
+                style = line_style if plain or not cell.style else line_style + _style_of(cell.style)
+            segments.append(Segment(_fit(text, width, self.columns[i]), style))
+            length += width
+        strip = Strip(segments, length)
+        width = self.scrollable_content_region.width
+        scroll_x = int(self.scroll_x)
+        if scroll_x or length > width:
+            strip = strip.crop(scroll_x, scroll_x + width)
+        return strip.extend_cell_length(width, line_style)
 
     def render_line(self, y: int) -> Strip:
-        width = self.scrollable_content_region.width
-        scroll_x, scroll_y = self.scroll_offset
+        if self._style is None:
+            self._style = self.rich_style
+        base = self._style
         if y == 0:
-            text = self._line_text([Text(c.title) for c in self.columns])
-            style = self.get_component_rich_style("rowtable--header")
-        else:
-            index = y - 1 + scroll_y
-            if index >= len(self._rows):
-                return Strip.blank(width, self.rich_style)
-            cells = self._rows[index][1]
-            if index == self.cursor_row:  # plain text: a coloured cell would not read on the cursor
-                cells = [Text(c.plain) for c in cells]
-            text = self._line_text(cells)
-            if index == self.cursor_row:
-                style = self.get_component_rich_style("rowtable--cursor")
-            elif index % 2:
-                style = self.get_component_rich_style("rowtable--odd")
-            else:
-                style = Style()
-        segments = list(text.render(self.app.console))
-        strip = Strip(segments, text.cell_len).crop(scroll_x, scroll_x + width)
-        strip = strip.extend_cell_length(width)
-        return strip.apply_style(self.rich_style + style) if style else strip.apply_style(self.rich_style)
+            header = base + self.get_component_rich_style("rowtable--header")
+            return self._line([c.title for c in self.columns], header, plain=True)
+        index = y - 1 + int(self.scroll_y)
+        if index >= len(self._rows):
+            return Strip.blank(self.scrollable_content_region.width, base)
+        cells = self._rows[index][1]
+        if index == self.cursor_row:  # plain: a coloured cell would not read on the cursor
+            return self._line(cells, base + self.get_component_rich_style("rowtable--cursor"), plain=True)
+        if index % 2:
+            return self._line(cells, base + self.get_component_rich_style("rowtable--odd"), plain=False)
+        return self._line(cells, base, plain=False)
 
     # -- input ---------------------------------------------------------------------------------
 

@@ -3,12 +3,14 @@
 A Static re-parses and re-wraps its whole content on every update; the GPU panel changes
 every sample, and with 8 GPUs that cost several milliseconds a frame. Here each line is
 rendered once per update (wrapped only with `wrap=True` and only when wider than the widget)
-and kept as a strip; only the lines that changed are redrawn. The widget is as tall as its
-lines up to its CSS max-height, and scrolls past that (wheel, or keys when it can take focus).
+and kept as a finished strip (cut to the width, in the widget's style); only the lines that
+changed are redrawn. The widget is as tall as its lines up to its CSS max-height, and scrolls
+past that (wheel, or keys when it can take focus).
 """
 
 from __future__ import annotations
 
+from rich.style import Style
 from rich.text import Text
 from textual.events import Resize
 from textual.geometry import Size
@@ -25,61 +27,77 @@ class TextLines(ScrollView, can_focus=False):
         super().__init__(id=id)
         self.wrap = wrap
         self._lines: list[Text] = []
-        self._strips: list[Strip] = []
+        self._strips: list[Strip | None] = []  # one per drawn line; None: to be drawn again
+        self._sources: list[int] = []  # for each drawn line, the index of the Text it comes from
         self._width = -1
+        self._style: Style | None = None  # rich_style walks the ancestors: once per style change
 
     @property
     def plain(self) -> str:
         return "\n".join(t.plain for t in self._lines)
 
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._style = None
+        self._strips = [None] * len(self._strips)
+
     def set_lines(self, lines: list[Text]) -> None:
         if lines == self._lines:
             return
-        old_lines, old_strips = self._lines, self._strips
+        old = self._lines
         self._lines = lines
-        self._build(self._width)
-        if len(self._strips) != len(old_strips) or self.wrap:
-            self._update_size()
+        if self.wrap or len(lines) != len(old):
+            self._layout_lines(self._width)
             self.refresh()
             return
-        # the same number of lines: redraw only those that changed
-        top = int(self.scroll_y)
-        for y, (new, old) in enumerate(zip(lines, old_lines, strict=False)):
-            if new != old:
-                self.refresh_line(y - top)
+        # the same number of lines, one strip each: redraw only those that changed
+        changed = [y for y, (new, before) in enumerate(zip(lines, old, strict=True)) if new != before]
+        for y in changed:
+            self._strips[y] = None
+            self.refresh_line(y)
 
     def on_resize(self, event: Resize) -> None:
         width = self.scrollable_content_region.width
         if width != self._width:
-            self._build(width)
-            self._update_size()
+            self._layout_lines(width)
             self.refresh()
 
-    def _build(self, width: int) -> None:
+    def _layout_lines(self, width: int) -> None:
+        """Which drawn line shows which Text (wrapping), and the widget's height from that."""
         self._width = width
-        console = self.app.console
-        strips = []
-        for text in self._lines:
-            pieces = (
-                [text] if not self.wrap or text.cell_len <= width or width <= 0 else text.wrap(console, width)
-            )
-            for piece in pieces:
-                strips.append(Strip(list(piece.render(console)), piece.cell_len))
-        self._strips = strips
-
-    def _update_size(self) -> None:
-        # a new layout only when the height changes: a layout pass redraws the whole screen
-        height = len(self._strips)
+        sources = []
+        for i, text in enumerate(self._lines):
+            count = 1
+            if self.wrap and width > 0 and text.cell_len > width:
+                count = len(text.wrap(self.app.console, width))
+            sources += [i] * count
+        self._sources = sources
+        self._strips = [None] * len(sources)
         old = self.virtual_size.height
-        self.virtual_size = Size(max(1, self._width), height)
-        if height != old:
-            self.refresh(layout=True)
+        self.virtual_size = Size(max(1, width), len(sources))
+        if len(sources) != old:
+            self.refresh(layout=True)  # a layout pass redraws the whole screen: only when needed
+
+    def _draw(self, index: int) -> Strip:
+        if self._style is None:
+            self._style = self.rich_style
+        width = max(0, self._width)
+        source = self._sources[index]
+        text = self._lines[source]
+        if self.wrap and width > 0 and text.cell_len > width:
+            first = self._sources.index(source)
+            text = text.wrap(self.app.console, width)[index - first]
+        strip = Strip(list(text.render(self.app.console)), text.cell_len)
+        return strip.crop(0, width).extend_cell_length(width).apply_style(self._style)
 
     def render_line(self, y: int) -> Strip:
-        width = self.scrollable_content_region.width
         index = y + int(self.scroll_y)
-        strip = self._strips[index] if 0 <= index < len(self._strips) else Strip.blank(width)
-        return strip.crop(0, width).extend_cell_length(width).apply_style(self.rich_style)
+        if not 0 <= index < len(self._strips):
+            return Strip.blank(self.scrollable_content_region.width, self._style or self.rich_style)
+        strip = self._strips[index]
+        if strip is None:
+            strip = self._strips[index] = self._draw(index)
+        return strip
 
 
 class ScrollLines(TextLines, can_focus=True):

@@ -21,7 +21,7 @@ from sddoctor.gpu.ranks import RankStatus, images_total
 from sddoctor.gpu.samples import GpuSample
 from sddoctor.tui.format import age, bar, gib, gib_short, loss_short, mib, num, pct, rate, sparkline
 from sddoctor.tui.paths import elide_path, short_site, shorten_paths_in
-from sddoctor.tui.rowtable import Column
+from sddoctor.tui.rowtable import Cell, Column
 
 STATE_STYLE = {
     "training": "green",
@@ -69,22 +69,28 @@ RANK_SORTS = ("rank", "step", "it/s", "state")
 TWO_LINE_WIDTH = 120
 
 
-def fit_pieces(pieces: list[tuple[int, Text]], width: int, sep: str = "  ") -> Text:
+#: A piece of a line: (priority, text, style); priority 0 is always shown.
+Piece = tuple[int, str, str]
+
+
+def fit_pieces(pieces: list[Piece], width: int, sep: str = "  ") -> Text:
     """The pieces that fit in `width` cells joined by `sep`, in their order: priority 0 always,
-    then the others by priority while they fit."""
-    keep = [p == 0 for p, _ in pieces]
-    used = sum(t.cell_len for (p, t) in pieces if p == 0) + len(sep) * (sum(keep) - 1)
+    then the others by priority while they fit. Empty pieces are left out. One Text with a
+    style span per piece (a Text per piece costs more than building the line)."""
+    pieces = [p for p in pieces if p[1]]
+    keep = [p[0] == 0 for p in pieces]
+    used = sum(len(t) for (p, t, _) in pieces if p == 0) + len(sep) * (sum(keep) - 1)
     for i in sorted(range(len(pieces)), key=lambda i: pieces[i][0]):
-        prio, text = pieces[i]
-        if prio and used + len(sep) + text.cell_len <= width:
+        prio, text, _ = pieces[i]
+        if prio and used + len(sep) + len(text) <= width:
             keep[i] = True
-            used += len(sep) + text.cell_len
+            used += len(sep) + len(text)
     out = Text()
-    for i, (_, text) in enumerate(pieces):
+    for i, (_, text, style) in enumerate(pieces):
         if keep[i]:
-            if out.cell_len:
+            if out:
                 out.append(sep)
-            out.append_text(text)
+            out.append(text, style or None)
     return out
 
 
@@ -97,20 +103,21 @@ def host_line(ov: Overview, width: int, *, paused: bool, filter_text: str) -> Te
     bars = width >= 110  # CPU and memory bars (as htop's) where the line has room for them
     cpu = f"CPU {bar(cpu_frac, 10)} {pct(h.cpu_percent):>4}" if bars else f"CPU {pct(h.cpu_percent)}"
     mem = f"MEM {bar(mem_frac, 10)} " if bars else "MEM "
-    pieces: list[tuple[int, Text]] = [
-        (0, Text(h.hostname, style="bold")),
-        (0, Text(cpu)),
-        (0, Text(f"{mem}{gib(h.memory_used)}/{gib(h.memory_total)} GiB")),
-        (3, Text("load " + " ".join(f"{x:.2f}" for x in h.load_average)) if h.load_average else Text()),
-        (1, Text(f"{len(snap.gpus)} GPU{'s' if len(snap.gpus) != 1 else ''}") if snap.gpus else Text()),
-        (4, Text(f"driver {snap.driver_version}") if snap.driver_version else Text()),
-        (0, Text(f"run: {sources}", style="cyan")),
+    gpus = f"{len(snap.gpus)} GPU{'s' if len(snap.gpus) != 1 else ''}" if snap.gpus else ""
+    pieces: list[Piece] = [
+        (0, h.hostname, "bold"),
+        (0, cpu, ""),
+        (0, f"{mem}{gib(h.memory_used)}/{gib(h.memory_total)} GiB", ""),
+        (3, "load " + " ".join(f"{x:.2f}" for x in h.load_average) if h.load_average else "", ""),
+        (1, gpus, ""),
+        (4, f"driver {snap.driver_version}" if snap.driver_version else "", ""),
+        (0, f"run: {sources}", "cyan"),
     ]
     if filter_text:
-        pieces.append((0, Text(f"filter: {filter_text!r}", style="magenta")))
+        pieces.append((0, f"filter: {filter_text!r}", "magenta"))
     if paused:
-        pieces.append((0, Text("PAUSED", style="bold reverse")))
-    return fit_pieces([(p, t) for p, t in pieces if t.cell_len], width)
+        pieces.append((0, "PAUSED", "bold reverse"))
+    return fit_pieces(pieces, width)
 
 
 def gpu_lines(ov: Overview, history: History, width: int, max_lines: int) -> list[Text]:
@@ -139,39 +146,43 @@ def _short_name(name: str) -> str:
     return name
 
 
-def _reasons(g: GpuSample) -> Text:
+def _reasons(g: GpuSample) -> tuple[str, str]:
+    """Why the clocks are held back, and its style (quiet when they are not, or only for idling)."""
     reasons = ",".join(g.clock_event_reasons)
-    if not reasons or reasons == "idle":
-        return Text(reasons, style="dim")
-    return Text(reasons, style="yellow")
+    return reasons, "dim" if not reasons or reasons == "idle" else "yellow"
 
 
 def _one_line(g: GpuSample, history: History, width: int, index_width: int) -> Text:
+    # Built as one string with style spans: a Text per piece costs more than the rest of the line.
     style = _util_style(g)
-    head = Text()
-    head.append(f"{g.index:>{index_width}} ", style="bold")
-    head.append(f"{_short_name(g.name)[:10]:<10} ")
-    head.append(f"{pct(g.utilization_gpu):>4} ", style=style)
+    head = f"{g.index:>{index_width}} {_short_name(g.name)[:10]:<10} "
+    util = f"{pct(g.utilization_gpu):>4} "
     mem = f"{gib_short(g.memory_used)}/{gib_short(g.memory_total)}G"
-    tail = Text(
+    tail = (
         f" {mem:>10} {num(g.temperature):>3}°C {num(g.power_draw):>4}/{num(g.power_limit)}W P{num(g.pstate)}"
     )
-    spark = max(4, min(30, width - head.cell_len - tail.cell_len - 14))
-    head.append(sparkline(history.get(g.index, "util"), spark), style=style)
-    head.append_text(tail)
-    extras: list[tuple[int, Text]] = []
-    if g.ecc_uncorrected:
-        extras.append((0, Text(f"ECC! {g.ecc_uncorrected}", style="bold red")))
-    extras.append((0, _reasons(g)))
-    extras.append((3, Text(f"SM {num(g.clock_sm)} MEM {num(g.clock_mem)} MHz")))
-    extras.append((4, Text(f"PCIe rx {rate(g.pcie_rx)} tx {rate(g.pcie_tx)}")))
-    if not g.ecc_uncorrected:
-        extras.append((5, Text("ECC " + ("n/a" if g.ecc_corrected is None else f"{g.ecc_corrected}/0"))))
-    rest = fit_pieces([(p, t) for p, t in extras if t.cell_len], width - head.cell_len - 1)
-    if rest.cell_len:
-        head.append(" ")
-        head.append_text(rest)
-    return head
+    spark = sparkline(history.get(g.index, "util"), max(4, min(30, width - len(head) - 5 - len(tail) - 14)))
+    line = Text(head + util + spark + tail)
+    line.stylize("bold", 0, index_width)
+    line.stylize(style, len(head), len(head) + len(util) + len(spark))
+    extras: list[Piece] = [
+        (0, f"ECC! {g.ecc_uncorrected}" if g.ecc_uncorrected else "", "bold red"),
+        (0, *_reasons(g)),
+        (3, f"SM {num(g.clock_sm)} MEM {num(g.clock_mem)} MHz", ""),
+        (4, f"PCIe rx {rate(g.pcie_rx)} tx {rate(g.pcie_tx)}", ""),
+        (
+            5,
+            ""
+            if g.ecc_uncorrected
+            else "ECC " + ("n/a" if g.ecc_corrected is None else f"{g.ecc_corrected}/0"),
+            "",
+        ),
+    ]
+    rest = fit_pieces(extras, width - len(line) - 1)
+    if rest:
+        line.append(" ")
+        line.append_text(rest)
+    return line
 
 
 def _two_lines(g: GpuSample, history: History, width: int) -> list[Text]:
@@ -192,11 +203,11 @@ def _two_lines(g: GpuSample, history: History, width: int) -> list[Text]:
     ecc = "n/a" if g.ecc_corrected is None else f"{g.ecc_corrected}/{g.ecc_uncorrected}"
     second.append(f"ECC {ecc}  ", style="bold red" if g.ecc_uncorrected else "")
     second.append("clocks: ")
-    second.append_text(_reasons(g) if g.clock_event_reasons else Text("none", style="dim"))
+    second.append(*(_reasons(g) if g.clock_event_reasons else ("none", "dim")))
     return [first, second]
 
 
-def process_rows(ov: Overview) -> list[tuple[tuple[float, ...], str, list[Text]]]:
+def process_rows(ov: Overview) -> list[tuple[tuple[float, ...], str, list[Cell]]]:
     """(sort keys in PROCESS_SORTS order, row key, cells) of every GPU process."""
     rows = []
     for g in ov.snapshot.gpus:
@@ -205,17 +216,17 @@ def process_rows(ov: Overview) -> list[tuple[tuple[float, ...], str, list[Text]]
             flags = "; ".join(ov.matching.flags(g.index, p.pid))
             rank = m.rank.rank if m else None
             who = "-" if m is None else f"{m.rank.rank}/{num(m.rank.world_size)} l{num(m.rank.local_rank)}"
-            cells = [
-                Text(str(g.index)),
-                Text(str(p.pid)),
-                Text(who + (" !!" if flags else ""), style="bold red" if flags else ""),
-                Text("-" if m is None else m.how),
-                Text(p.user or "?"),
-                Text(mib(p.gpu_memory)),
-                Text("-" if p.cpu_percent is None else f"{p.cpu_percent:.0f}"),
-                Text(mib(p.rss)),
-                Text(p.command or "?"),
-                Text(("!! " + flags) if flags else "", style="bold red"),
+            cells: list[Cell] = [
+                str(g.index),
+                str(p.pid),
+                Text(who + " !!", style="bold red") if flags else who,
+                "-" if m is None else m.how,
+                p.user or "?",
+                mib(p.gpu_memory),
+                "-" if p.cpu_percent is None else f"{p.cpu_percent:.0f}",
+                mib(p.rss),
+                p.command or "?",
+                Text("!! " + flags, style="bold red") if flags else "",
             ]
             key = (
                 p.gpu_memory or 0,
@@ -236,20 +247,20 @@ def collective_cell(r: RankStatus) -> Text:
     return Text(r.last_collective or "-")
 
 
-def rank_cells(r: RankStatus, multi_source: bool, job_dir: str | None) -> list[Text]:
+def rank_cells(r: RankStatus, multi_source: bool, job_dir: str | None) -> list[Cell]:
     return [
-        Text(str(r.rank)),
-        Text(r.node if multi_source else ""),
-        Text(num(r.pid)),
-        Text(num(r.device)),
+        str(r.rank),
+        r.node if multi_source else "",
+        num(r.pid),
+        num(r.device),
         Text(r.state, style=STATE_STYLE.get(r.state, "")),
-        Text(num(r.step)),
-        Text(loss_short(r.loss)),
-        Text(num(r.it_s, "{:.2f}")),
-        Text(num(r.images_s, "{:.1f}")),
-        collective_cell(r),
-        Text(short_site(r.call_site, job_dir) or "-"),
-        Text(shorten_paths_in(r.state_text, job_dir)),
+        num(r.step),
+        loss_short(r.loss),
+        num(r.it_s, "{:.2f}"),
+        num(r.images_s, "{:.1f}"),
+        collective_cell(r) if r.inflight else r.last_collective or "-",
+        short_site(r.call_site, job_dir) or "-",
+        shorten_paths_in(r.state_text, job_dir),
     ]
 
 
