@@ -249,12 +249,14 @@ class RowTable(ScrollView, can_focus=True):
                 style = line_style if plain or not cell.style else line_style + _style_of(cell.style)
             segments.append(Segment(_fit(text, width, self.columns[i]), style))
             length += width
-        strip = Strip(segments, length)
         width = self.scrollable_content_region.width
         scroll_x = int(self.scroll_x)
-        if scroll_x or length > width:
-            strip = strip.crop(scroll_x, scroll_x + width)
-        return strip.extend_cell_length(width, line_style)
+        if scroll_x:
+            return (
+                Strip(segments, length).crop(scroll_x, scroll_x + width).extend_cell_length(width, line_style)
+            )
+        # one Strip from finished segments: each Strip made on the way costs Textual's caches
+        return Strip(Segment.adjust_line_length(segments, width, style=line_style), width)
 
     def render_line(self, y: int) -> Strip:
         if self._style is None:

@@ -10,6 +10,7 @@ past that (wheel, or keys when it can take focus).
 
 from __future__ import annotations
 
+from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.events import Resize
@@ -87,8 +88,10 @@ class TextLines(ScrollView, can_focus=False):
         if self.wrap and width > 0 and text.cell_len > width:
             first = self._sources.index(source)
             text = text.wrap(self.app.console, width)[index - first]
-        strip = Strip(list(text.render(self.app.console)), text.cell_len)
-        return strip.crop(0, width).extend_cell_length(width).apply_style(self._style)
+        # one Strip, made from finished segments: each Strip made on the way (crop, pad, style)
+        # costs Textual's caches
+        segments = Segment.apply_style(text.render(self.app.console), self._style)
+        return Strip(Segment.adjust_line_length(list(segments), width, style=self._style), width)
 
     def render_line(self, y: int) -> Strip:
         index = y + int(self.scroll_y)
