@@ -32,6 +32,8 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from sddoctor.tui.textlines import refresh_runs
+
 GAPS = (2, 1)  # space between columns: two where everything that matters fits, else one
 
 
@@ -190,9 +192,9 @@ class RowTable(ScrollView, can_focus=True):
             body = range(top, top + max(0, self.scrollable_content_region.height - 1))
             changed = [i for i in body if i < len(rows) and rows[i] != self._rows[i]]
             self._rows = rows
-            # each changed line alone: the border and the header stay as drawn
-            for i in changed:
-                self.refresh_line(i + 1)  # line 0 is the header (refresh_line takes off the scroll)
+            # only the changed lines: the border and the header stay as drawn (line 0 is the
+            # header; refresh_lines takes the scroll off)
+            refresh_runs(self, [i + 1 for i in changed])
             return
         self._rows, self._natural = rows, natural
         self.cursor_row = (

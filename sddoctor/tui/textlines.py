@@ -55,7 +55,7 @@ class TextLines(ScrollView, can_focus=False):
         changed = [y for y, (new, before) in enumerate(zip(lines, old, strict=True)) if new != before]
         for y in changed:
             self._strips[y] = None
-            self.refresh_line(y)
+        refresh_runs(self, changed)
 
     def on_resize(self, event: Resize) -> None:
         width = self.scrollable_content_region.width
@@ -101,6 +101,19 @@ class TextLines(ScrollView, can_focus=False):
         if strip is None:
             strip = self._strips[index] = self._draw(index)
         return strip
+
+
+def refresh_runs(widget: ScrollView, lines: list[int]) -> None:
+    """Repaint `lines` (sorted, in the widget's virtual coordinates), one region per run of
+    consecutive lines: each refresh call has a cost of its own in Textual."""
+    start = prev = None
+    for y in [*lines, None]:
+        if y is not None and prev is not None and y == prev + 1:
+            prev = y
+            continue
+        if start is not None and prev is not None:
+            widget.refresh_lines(start, prev - start + 1)
+        start = prev = y
 
 
 class ScrollLines(TextLines, can_focus=True):
