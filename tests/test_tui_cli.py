@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from tui_fixtures import serve_state
+from tui_fixtures import isolate_registry, serve_state
 
 from conftest import subprocess_env
 from sddoctor.gpu.nvml import set_nvml_for_tests
@@ -17,9 +17,8 @@ from sddoctor.tui import cli
 
 
 @pytest.fixture(autouse=True)
-def _no_live_runs(tmp_path_factory, monkeypatch):
-    """An empty registry of live runs: `sddoctor run`s elsewhere on this machine stay out of view."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("xdg-runtime")))
+def _no_live_runs(tmp_path, monkeypatch):
+    isolate_registry(tmp_path, monkeypatch)
 
 
 def _sddoctor(*args, cwd=None):

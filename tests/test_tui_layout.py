@@ -12,7 +12,7 @@ import time
 
 import pytest
 from test_tui_registry import write_entry
-from tui_fixtures import NOW, demo_collector, demo_feed, frozen_clock, write_demo_run
+from tui_fixtures import NOW, demo_collector, demo_feed, frozen_clock, isolate_registry, write_demo_run
 
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.gpu.rankfeeds import RunDirFeed
@@ -28,18 +28,16 @@ KEY_RANK_COLUMNS = ["Rank", "State", "Step", "img/s", "Collective", "Call site"]
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    runtime = tmp_path / "xdg-runtime"
-    runtime.mkdir()
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))  # an empty registry of live runs
+    isolate_registry(tmp_path, monkeypatch)
     yield
     set_nvml_for_tests(None, None)
 
 
 @pytest.fixture
-def job(tmp_path):
+def run_dir(tmp_path):
     """An 8-rank run under JOB/sddoctor-runs/, whose ranks report absolute call sites in JOB."""
     job_dir = tmp_path / "job"
-    return job_dir, write_demo_run(job_dir / "sddoctor-runs" / "run-demo", world=8, job_dir=job_dir)
+    return write_demo_run(job_dir / "sddoctor-runs" / "run-demo", world=8, job_dir=job_dir)
 
 
 def _app(run_dir, nvml=True, **kw):
@@ -65,8 +63,7 @@ def _visible(widget) -> list[str]:
     return [widget.render_line(y).text for y in range(widget.scrollable_content_region.height)]
 
 
-async def test_80x24_shows_the_key_columns_and_scrolls_to_every_rank_and_gpu(job):
-    _, run_dir = job
+async def test_80x24_shows_the_key_columns_and_scrolls_to_every_rank_and_gpu(run_dir):
     app = _app(run_dir)
     async with app.run_test(size=(80, 24)) as pilot:
         await _ready(app, pilot)
@@ -94,8 +91,7 @@ async def test_80x24_shows_the_key_columns_and_scrolls_to_every_rank_and_gpu(job
         assert [line.split()[:2] for line in gpus.plain.splitlines()][7] == ["7", "H200"]
 
 
-async def test_a_short_terminal_scrolls_the_gpu_panel(job):
-    _, run_dir = job
+async def test_a_short_terminal_scrolls_the_gpu_panel(run_dir):
     app = _app(run_dir)
     async with app.run_test(size=(80, 20)) as pilot:
         await _ready(app, pilot)
@@ -107,8 +103,7 @@ async def test_a_short_terminal_scrolls_the_gpu_panel(job):
         assert gpus.scroll_y == 2 and _visible(gpus)[-1].split()[:2] == ["7", "H200"]
 
 
-async def test_wide_terminal_shows_every_column_and_two_lines_per_gpu(job):
-    _, run_dir = job
+async def test_wide_terminal_shows_every_column_and_two_lines_per_gpu(run_dir):
     app = _app(run_dir)
     async with app.run_test(size=(200, 50)) as pilot:
         await _ready(app, pilot)
@@ -122,8 +117,7 @@ async def test_wide_terminal_shows_every_column_and_two_lines_per_gpu(job):
         assert len(lines) == 16 and lines[0].startswith("GPU 0 NVIDIA H200") and "PCIe rx" in lines[1]
 
 
-async def test_img_s_means_per_rank_and_the_title_gives_the_sum(job):
-    _, run_dir = job
+async def test_img_s_means_per_rank_and_the_title_gives_the_sum(run_dir):
     app = _app(run_dir)
     async with app.run_test(size=(80, 24)) as pilot:
         await _ready(app, pilot)
@@ -134,8 +128,7 @@ async def test_img_s_means_per_rank_and_the_title_gives_the_sum(job):
         assert "img/s per rank · all ranks 56.0 img/s" in ranks.border_title
 
 
-async def test_help_fits_80x24(job):
-    _, run_dir = job
+async def test_help_fits_80x24(run_dir):
     app = _app(run_dir)
     async with app.run_test(size=(80, 24)) as pilot:
         await _ready(app, pilot)
@@ -149,8 +142,7 @@ async def test_help_fits_80x24(job):
         assert text.size.height == len(HELP_TEXT.splitlines())  # no line wrapped
 
 
-async def test_rank_details_follow_the_rank_and_its_stack_dumps(job):
-    _, run_dir = job
+async def test_rank_details_follow_the_rank_and_its_stack_dumps(run_dir):
     app = MonitorApp(
         demo_collector(n_gpus=8), demo_feed(run_dir), interval=3600, rank_interval=0.05, clock=frozen_clock
     )
@@ -210,8 +202,7 @@ async def test_several_live_runs_are_offered_and_the_picked_one_is_watched(tmp_p
         sleeper.wait()
 
 
-async def test_r_without_live_runs_says_so(job):
-    _, run_dir = job
+async def test_r_without_live_runs_says_so(run_dir):
     app = _app(run_dir)
     async with app.run_test(size=(80, 24)) as pilot:
         await _ready(app, pilot)

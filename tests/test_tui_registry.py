@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from instrument_fixtures import wait_for
+from tui_fixtures import isolate_registry
 
 from conftest import subprocess_env
 from sddoctor.telemetry import registry
@@ -22,11 +24,7 @@ from sddoctor.telemetry import registry
 
 @pytest.fixture
 def runs_dir(tmp_path, monkeypatch):
-    """An empty registry of this test's own (never the user's real one)."""
-    runtime = tmp_path / "xdg-runtime"
-    runtime.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    return runtime / "sddoctor" / "runs"
+    return isolate_registry(tmp_path, monkeypatch)
 
 
 @pytest.fixture
@@ -135,16 +133,6 @@ JOB = (
 )
 
 
-def _wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 def _start_supervised(tmp_path, runs_dir, flag):
     job_dir = tmp_path / "job"
     job_dir.mkdir()
@@ -159,7 +147,7 @@ def test_sddoctor_run_is_listed_while_it_runs_and_tui_opens_it(runs_dir, tmp_pat
     flag = tmp_path / "finish"
     job_dir, sup = _start_supervised(tmp_path, runs_dir, flag)
     try:
-        [live] = _wait_for(registry.live_runs)
+        [live] = wait_for(registry.live_runs, 60, "the live-run entry")
         assert live.pid == sup.pid and live.cwd == str(job_dir)
         assert live.run_dir.parent == job_dir / "sddoctor-runs" and live.endpoint.startswith(
             "http://127.0.0.1:"
@@ -188,8 +176,8 @@ def test_a_killed_supervisor_leaves_an_entry_the_next_reader_deletes(runs_dir, t
     _, sup = _start_supervised(tmp_path, runs_dir, flag)
     job = []
     try:
-        [live] = _wait_for(registry.live_runs)
-        job = _wait_for(lambda: psutil.Process(sup.pid).children(recursive=True))
+        [live] = wait_for(registry.live_runs, 60, "the live-run entry")
+        job = wait_for(lambda: psutil.Process(sup.pid).children(recursive=True), 60, "the job")
         os.kill(sup.pid, signal.SIGKILL)
         sup.wait(timeout=30)
         assert live.entry.exists()  # nobody removed it...

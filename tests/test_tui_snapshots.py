@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tui_fixtures import NOW, demo_collector, demo_feed, frozen_clock, write_demo_run
+from tui_fixtures import NOW, demo_collector, demo_feed, frozen_clock, isolate_registry, write_demo_run
 
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.telemetry.registry import LiveRun
@@ -21,9 +21,7 @@ SIZES = {"80x24": (80, 24), "200x50": (200, 50)}
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
-    runtime = tmp_path / "xdg-runtime"
-    runtime.mkdir()
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))  # an empty registry of live runs
+    isolate_registry(tmp_path, monkeypatch)
     yield
     set_nvml_for_tests(None, None)
 

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 from conftest import free_port, subprocess_env
 from sddoctor.gpu.collector import Collector
 from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
@@ -29,6 +31,15 @@ LIBRARY_SITE = "/opt/venv/lib/python3.11/site-packages/torch/nn/parallel/distrib
 
 def frozen_clock() -> float:
     return NOW
+
+
+def isolate_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A registry of live runs of the test's own, empty: `sddoctor run`s elsewhere on this machine
+    stay out of view. Returns the directory of its entries (not created yet)."""
+    runtime = tmp_path / "xdg-runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    return runtime / "sddoctor" / "runs"
 
 
 def write_demo_run(path: Path, world: int = 4, job_dir: Path | None = None) -> Path:

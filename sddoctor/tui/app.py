@@ -38,13 +38,8 @@ if TYPE_CHECKING:
     from sddoctor.telemetry.registry import LiveRun
     from sddoctor.tui.screens import RankScreen
 
-# Kept importable from here: tests and the screens refer to them through the app module.
 #: Seconds the GPU sampler waits for the rank poll started with it, to draw both in one frame.
 JOINT_WAIT = 0.25
-
-STATE_STYLE = views.STATE_STYLE
-PROCESS_SORTS = views.PROCESS_SORTS
-RANK_SORTS = views.RANK_SORTS
 
 
 class MonitorApp(App[None]):
@@ -243,11 +238,11 @@ class MonitorApp(App[None]):
         rows.sort(key=lambda r: r[0][which], reverse=which in (0, 1))
         table.set_rows([(k, c) for _, k, c in rows if self._matches_filter(c)])
         table.set_class(table.row_count == 0, "empty")  # the other table gets the room
-        _set_title(table, f"processes (sort: {PROCESS_SORTS[which]})")
+        _set_title(table, f"processes (sort: {views.PROCESS_SORTS[which]})")
 
     def _render_ranks(self, ov: Overview) -> None:
         table = self.query_one("#ranks", RowTable)
-        which = RANK_SORTS[self.rank_sort]
+        which = views.RANK_SORTS[self.rank_sort]
         multi = len(ov.report.sources) > 1
         rows, shown = [], []
         for r in views.sort_ranks(ov.report.ranks, which):
@@ -284,9 +279,9 @@ class MonitorApp(App[None]):
 
     def action_sort(self) -> None:
         if self.focused is self.query_one("#ranks", RowTable):
-            self.rank_sort = (self.rank_sort + 1) % len(RANK_SORTS)
+            self.rank_sort = (self.rank_sort + 1) % len(views.RANK_SORTS)
         else:
-            self.proc_sort = (self.proc_sort + 1) % len(PROCESS_SORTS)
+            self.proc_sort = (self.proc_sort + 1) % len(views.PROCESS_SORTS)
         self._render()
 
     def action_filter(self) -> None:
