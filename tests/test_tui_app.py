@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
+from rich.console import Console
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import Static
@@ -37,7 +39,11 @@ def demo_run(tmp_path):
 
 def _text(app, selector):
     widget = app.query_one(selector)
-    return widget.plain if hasattr(widget, "plain") else str(widget.content)
+    if hasattr(widget, "plain"):
+        return widget.plain
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(widget.content)  # a Text or a Rich table, as drawn at 200 columns
+    return console.export_text()
 
 
 def _column(table, index):
@@ -58,7 +64,7 @@ async def test_sort_filter_select_help_quit(demo_run):
         procs, ranks = app.query_one("#procs"), app.query_one("#ranks")
         assert procs.row_count == 6 and ranks.row_count == 4
         assert _column(procs, 1)[0] == str(DEMO_PIDS[2])  # biggest GPU memory first
-        assert "GPU 3" in _text(app, "#gpu-lines") and "sw-power-cap" in _text(app, "#gpu-lines")
+        assert "GPU 3" in _text(app, "#gpus") and "sw-power-cap" in _text(app, "#gpus")
         assert "node0" in _text(app, "#host")
 
         procs.focus()
@@ -128,7 +134,7 @@ async def test_without_nvml_host_and_ranks_still_show(demo_run):
     app = MonitorApp(demo_collector(nvml=False), demo_feed(demo_run), interval=3600, clock=frozen_clock)
     async with app.run_test(size=(160, 50)) as pilot:
         await _ready(app, pilot)
-        assert "No GPU data: NVML could not start" in _text(app, "#gpu-lines")
+        assert "No GPU data: NVML could not start" in _text(app, "#gpus")
         assert app.query_one("#procs").row_count == 0 and app.query_one("#ranks").row_count == 4
         assert "no GPU data" in _text(app, "#alerts")
 
@@ -160,20 +166,20 @@ async def test_pcie_reader_starts_after_the_first_sample_is_shown():
     collector = Collector(NvmlSource(pcie_interval=0.02, open_in_background=True), FixedHost())
     app = MonitorApp(collector, None, interval=0.02)
     pcie_calls_at_first_frame = []
-    show = app._on_snapshot
+    show = app._on_data
 
-    def on_snapshot(snap):
+    def on_data(snap, report):
         if not pcie_calls_at_first_frame:
             pcie_calls_at_first_frame.append(fake.calls.get("pcie", 0))
-        show(snap)
+        show(snap, report)
 
-    app._on_snapshot = on_snapshot
+    app._on_data = on_data
     async with app.run_test(size=(160, 50)) as pilot:
         await _ready(app, pilot)
         deadline = time.monotonic() + 10
-        while "PCIe rx 2.0 MB/s" not in _text(app, "#gpu-lines") and time.monotonic() < deadline:
+        while "PCIe rx 2.0 MB/s" not in _text(app, "#gpus") and time.monotonic() < deadline:
             await pilot.pause(0.05)
-        assert "PCIe rx 2.0 MB/s" in _text(app, "#gpu-lines")
+        assert "PCIe rx 2.0 MB/s" in _text(app, "#gpus")
     assert pcie_calls_at_first_frame == [0]
     assert collector.source._pcie is None  # stopped with the app
 
@@ -193,9 +199,11 @@ async def test_footer_is_built_once_and_kept_while_its_keys_stay_the_same():
             ("s", "Sort"),
             ("slash", "Filter"),
             ("p", "Pause"),
+            ("r", "Runs"),
             ("q", "Quit"),
             ("ctrl+p", "palette"),
         ]
+        assert app.focused is app.query_one("#procs")  # no run: the processes have the focus
         await pilot.press("tab")  # focus moves to the rank table: the same keys are shown
         await pilot.pause(0.1)
         assert app.focused is app.query_one("#ranks")

@@ -8,11 +8,17 @@ import subprocess
 import sys
 import time
 
-from tui_fixtures import serve_state
+import pytest
+from tui_fixtures import isolate_registry, serve_state
 
 from conftest import subprocess_env
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.tui import cli
+
+
+@pytest.fixture(autouse=True)
+def _no_live_runs(tmp_path, monkeypatch):
+    isolate_registry(tmp_path, monkeypatch)
 
 
 def _sddoctor(*args, cwd=None):
@@ -159,7 +165,8 @@ def test_json_connects_to_several_nodes(capsys):
     finally:
         set_nvml_for_tests(None, None)
     doc = json.loads(capsys.readouterr().out)
-    assert doc["run"] == {"sources": [a, b], "errors": []}
+    # each rank: 4 samples in a 0.5 s step, 8 img/s of its own; the job: 16
+    assert doc["run"] == {"sources": [a, b], "errors": [], "images_s_total": 16.0}
     assert [(r["rank"], r["node"], r["host"], r["step"]) for r in doc["ranks"]] == [
         (0, a, "node-a", 10),
         (1, b, "node-b", 10),

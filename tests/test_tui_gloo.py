@@ -99,18 +99,19 @@ async def test_app_on_a_real_run_then_the_ranks_exit(gloo_run):
         while not app.ready:
             await pilot.pause(0.02)
         ranks = app.query_one("#ranks")
-        assert [str(ranks.get_row_at(i)[8]) for i in range(2)] == ["training", "training"]
+        state = ranks.column_index("State")
+        assert [str(ranks.get_row_at(i)[state]) for i in range(2)] == ["training", "training"]
         procs = app.query_one("#procs")
         assert sorted(str(procs.get_row_at(i)[2]) for i in range(procs.row_count)) == [
             "-",
             "0/2 l0",
             "1/2 l1",
-            "1/2 l1",
+            "1/2 l1 !!",  # its process on GPU 0 as well: the wrong-GPU mark
         ]
         gloo_run.stop()  # the ranks finish: exit events, status "exited"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             await pilot.pause(0.1)
-            if all(str(ranks.get_row_at(i)[8]) == "exited" for i in range(ranks.row_count)):
+            if all(str(ranks.get_row_at(i)[state]) == "exited" for i in range(ranks.row_count)):
                 break
-        assert [str(ranks.get_row_at(i)[8]) for i in range(2)] == ["exited", "exited"]
+        assert [str(ranks.get_row_at(i)[state]) for i in range(2)] == ["exited", "exited"]

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 from conftest import free_port, subprocess_env
 from sddoctor.gpu.collector import Collector
 from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
@@ -22,23 +24,37 @@ from sddoctor.gpu.rankfeeds import RunDirFeed
 from sddoctor.gpu.source import NvmlSource
 
 NOW = 1_800_000_000.0  # the frozen "now" of the demo
-DEMO_PIDS = (41001, 41002, 41003, 41004)
+DEMO_PIDS = tuple(41001 + i for i in range(8))
+#: where a library call site of the demo lives: shown from the package on (torch/...)
+LIBRARY_SITE = "/opt/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py:1523"
 
 
 def frozen_clock() -> float:
     return NOW
 
 
-def write_demo_run(path: Path) -> Path:
-    """A 4-rank run: rank 0/1 training, rank 2 stuck in all_reduce #812 (hang verdict),
-    rank 3 recovered from an OOM with a smaller micro-batch. Fixed timestamps."""
+def isolate_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A registry of live runs of the test's own, empty: `sddoctor run`s elsewhere on this machine
+    stay out of view. Returns the directory of its entries (not created yet)."""
+    runtime = tmp_path / "xdg-runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    return runtime / "sddoctor" / "runs"
+
+
+def write_demo_run(path: Path, world: int = 4, job_dir: Path | None = None) -> Path:
+    """A `world`-rank run (4 or 8): rank 0/1 training, rank 2 stuck in all_reduce #812 (hang
+    verdict), rank 3 recovered from an OOM with a smaller micro-batch; ranks 4-7 training, rank 5's
+    last collective called from inside torch. Fixed timestamps. With `job_dir`, the call sites
+    are absolute paths in it (as a rank reports them) and the stack dump names them so too."""
     ranks = path / "ranks"
     ranks.mkdir(parents=True)
     (path / "stacks").mkdir()
     (path / "run.json").write_text(
-        json.dumps({"v": 1, "created": NOW - 600, "host": "node0", "world_size": 4})
+        json.dumps({"v": 1, "created": NOW - 600, "host": "node0", "world_size": world})
     )
-    for r, pid in enumerate(DEMO_PIDS):
+    script = f"{job_dir}/train.py" if job_dir is not None else "train.py"
+    for r, pid in enumerate(DEMO_PIDS[:world]):
         events = [
             {
                 "v": 1,
@@ -48,7 +64,7 @@ def write_demo_run(path: Path) -> Path:
                 "pid": pid,
                 "host": "node0",
                 "local_rank": r,
-                "world_size": 4,
+                "world_size": world,
                 "device": f"cuda:{r}",
                 "backend": "nccl",
             }
@@ -74,7 +90,7 @@ def write_demo_run(path: Path) -> Path:
             "pid": pid,
             "host": "node0",
             "local_rank": r,
-            "world_size": 4,
+            "world_size": world,
             "device": f"cuda:{r}",
             "status": "running",
             "step": 809,
@@ -98,7 +114,7 @@ def write_demo_run(path: Path) -> Path:
                     "seq": 811,
                     "op": "all_reduce",
                     "shapes": [[1024]],
-                    "caller": "train.py:212",
+                    "caller": LIBRARY_SITE if r == 5 else f"{script}:212",
                     "t": NOW - 2,
                     "duration": 0.0042,
                 },
@@ -112,7 +128,7 @@ def write_demo_run(path: Path) -> Path:
                     "op": "all_reduce",
                     "shapes": [[1024]],
                     "dtypes": ["float32"],
-                    "caller": "train.py:212",
+                    "caller": f"{script}:212",
                     "since": NOW - 95,
                     "async": False,
                 }
@@ -140,8 +156,8 @@ def write_demo_run(path: Path) -> Path:
                 "kind": "hang.missing_rank",
                 "severity": "error",
                 "culprit_rank": 1,
-                "location": "train.py:188",
-                "summary": "rank 1 never reached all_reduce #812; it is in save_checkpoint (train.py:188)",
+                "location": f"{script}:188",
+                "summary": f"rank 1 never reached all_reduce #812; it is in save_checkpoint ({script}:188)",
                 "details": {},
                 "evidence": [],
             }
@@ -149,7 +165,7 @@ def write_demo_run(path: Path) -> Path:
     }
     (path / "report.json").write_text(json.dumps(report))
     (path / "stacks" / "rank-00001.txt").write_text(
-        'Thread 41002 (idle): "MainThread"\n    save_checkpoint (train.py:188)\n    main (train.py:240)\n'
+        f'Thread 41002 (idle): "MainThread"\n    save_checkpoint ({script}:188)\n    main ({script}:240)\n'
     )
     return path
 
@@ -167,22 +183,22 @@ def demo_processes() -> dict[int, ProcessInfo]:
 
 
 def install_demo_nvml(n_gpus: int = 4) -> FakeNvml:
-    """4 GPUs; each rank on its own GPU, rank 3 also holds memory on GPU 0 (the wrong-GPU case),
-    and one process no rank claims."""
+    """4 or 8 GPUs; each rank on its own GPU, rank 3 also holds memory on GPU 0 (the wrong-GPU
+    case), and one process no rank claims."""
     procs = [
         [(DEMO_PIDS[0], 52 << 30), (DEMO_PIDS[3], 600 << 20)],
         [(DEMO_PIDS[1], 51 << 30)],
         [(DEMO_PIDS[2], 53 << 30), (55555, 1 << 30)],
         [(DEMO_PIDS[3], 40 << 30)],
-    ]
+    ] + [[(DEMO_PIDS[i], (44 + i) << 30)] for i in range(4, 8)]
     fake = FakeNvml(demo_gpus(n_gpus, procs[:n_gpus]))
     set_nvml_for_tests(fake)
     return fake
 
 
-def demo_collector(nvml: bool = True, warm: int = 30) -> Collector:
+def demo_collector(nvml: bool = True, warm: int = 30, n_gpus: int = 4) -> Collector:
     if nvml:
-        install_demo_nvml()
+        install_demo_nvml(n_gpus)
     else:
         set_nvml_for_tests(
             None, "NVML could not start (NVML Shared Library Not Found): no NVIDIA driver or GPU"

@@ -15,25 +15,26 @@ from sddoctor.gpu.source import NvmlSource
 from sddoctor.tui.app import MonitorApp
 
 
-async def shoot(run_dir: str, out: Path) -> None:
+async def shoot(run_dir: str, out: Path, size: tuple[int, int] = (160, 45), suffix: str = "") -> None:
     app = MonitorApp(Collector(NvmlSource(pcie_interval=1.0)), RunDirFeed(run_dir), interval=0.5)
-    async with app.run_test(size=(160, 45)) as pilot:
+    async with app.run_test(size=size) as pilot:
         while not app.ready:
             await pilot.pause(0.05)
         await pilot.pause(4.0)  # some history for the sparklines, a PCIe reading, a few steps
-        app.save_screenshot(str(out / "tui-main.svg"))
+        app.save_screenshot(str(out / f"tui-main{suffix}.svg"))
         await pilot.press("question_mark")
         await pilot.pause(0.2)
-        app.save_screenshot(str(out / "tui-help.svg"))
+        app.save_screenshot(str(out / f"tui-help{suffix}.svg"))
         await pilot.press("escape")
         app.query_one("#ranks").focus()
         await pilot.press("enter")
         await pilot.pause(0.5)
-        app.save_screenshot(str(out / "tui-rank.svg"))
+        app.save_screenshot(str(out / f"tui-rank{suffix}.svg"))
 
 
 if __name__ == "__main__":
     out = Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     asyncio.run(shoot(sys.argv[1], out))
+    asyncio.run(shoot(sys.argv[1], out, (80, 24), "-80x24"))  # a fresh terminal, an SSH session
     print("screenshots in", out)

@@ -8,6 +8,7 @@ from typing import Any
 
 from sddoctor.gpu.matching import Matching, match_processes
 from sddoctor.gpu.rankfeeds import RankReport
+from sddoctor.gpu.ranks import images_total
 from sddoctor.gpu.samples import GpuSnapshot
 from sddoctor.gpu.throttle import is_slowdown
 
@@ -68,7 +69,11 @@ class Overview:
                 "driver_version": snap.driver_version,
             },
             "gpus": gpus,
-            "run": {"sources": self.report.sources, "errors": self.report.errors},
+            "run": {
+                "sources": self.report.sources,
+                "errors": self.report.errors,
+                "images_s_total": images_total(self.report.ranks),
+            },
             "ranks": [r.to_dict() for r in self.report.ranks],
             "alerts": [asdict(a) for a in self.alerts],
             "sample_seconds": snap.sample_seconds,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from sddoctor.gpu.ranks import RankInputs, RankStatus, RateTracker, derive
-from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
+from sddoctor.telemetry import EventTail, RunDir, read_json, read_state, registry
 
 HTTP_TIMEOUT = 2.0
 
@@ -34,6 +34,7 @@ class RankReport:
     verdicts: list[dict[str, Any]] = field(default_factory=list)  # each with "source" added
     errors: list[str] = field(default_factory=list)
     run_dirs: dict[str, Path] = field(default_factory=dict)  # source -> run dir (for stack dumps)
+    job_dirs: dict[str, str] = field(default_factory=dict)  # source -> the job's working directory
 
     def extend(self, other: RankReport) -> None:
         self.sources += other.sources
@@ -41,6 +42,7 @@ class RankReport:
         self.verdicts += other.verdicts
         self.errors += other.errors
         self.run_dirs.update(other.run_dirs)
+        self.job_dirs.update(other.job_dirs)
 
 
 class RankFeed(Protocol):
@@ -62,35 +64,44 @@ class RunDirFeed:
         clock: Callable[[], float] = time.time,
         hostname: str | None = None,
         pid_alive: Callable[[int], bool] | None = _local_pid_alive,
+        job_dir: str | None = None,
     ) -> None:
         self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.label = self.run_dir.path.name
+        self.job_dir = job_dir if job_dir is not None else guess_job_dir(self.run_dir)
         self.clock = clock
         self.hostname = hostname or socket.gethostname()
         self.pid_alive = pid_alive
         self._tails: dict[int, EventTail] = {}
         self._inputs: dict[int, RankInputs] = {}
         self._rates: dict[int, RateTracker] = {}
+        self._state_files: dict[int, str] = {}
+        self._verdicts: tuple[tuple[int, int] | None, list[dict[str, Any]]] = (None, [])
 
     def poll(self) -> RankReport:
         report = RankReport(sources=[self.label], run_dirs={self.label: self.run_dir.path})
+        if self.job_dir:
+            report.job_dirs[self.label] = self.job_dir
         if not self.run_dir.path.is_dir():
             report.errors.append(f"run directory {self.run_dir.path} does not exist (any more)")
             return report
-        verdicts = _verdicts_of(read_json(self.run_dir.report_json))
+        verdicts = self._read_verdicts()
         report.verdicts = [dict(v, source=self.label) for v in verdicts]
         now = self.clock()
         for rank in self.run_dir.ranks():
-            tail = self._tails.setdefault(rank, EventTail(self.run_dir.events_file(rank)))
-            inputs = self._inputs.setdefault(rank, RankInputs(rank=rank, node=self.label))
-            rates = self._rates.setdefault(rank, RateTracker())
+            if rank not in self._tails:
+                self._tails[rank] = EventTail(self.run_dir.events_file(rank))
+                self._inputs[rank] = RankInputs(rank=rank, node=self.label)
+                self._rates[rank] = RateTracker()
+                self._state_files[rank] = str(self.run_dir.state_file(rank))
+            tail, inputs, rates = self._tails[rank], self._inputs[rank], self._rates[rank]
             for ev in tail.poll():
                 kind = ev.get("kind")
                 if kind == "step":
                     rates.add(ev.get("t"), ev.get("step"), ev.get("samples"))
                 elif kind in ("start", "exit", "exception", "fallback", "oom"):
                     setattr(inputs, kind, ev)
-            inputs.state = read_state(self.run_dir.state_file(rank))
+            inputs.state = read_state(self._state_files[rank])
             host = (inputs.state or {}).get("host") or (inputs.start or {}).get("host")
             pid = (inputs.state or {}).get("pid") or (inputs.start or {}).get("pid")
             inputs.pid_alive = None
@@ -98,6 +109,19 @@ class RunDirFeed:
                 inputs.pid_alive = self.pid_alive(pid)
             report.ranks.append(derive(inputs, rates, verdicts, now))
         return report
+
+    def _read_verdicts(self) -> list[dict[str, Any]]:
+        """report.json's verdicts, read again only when the file changed (it is written at a hang
+        and at the end; the ranks' files change every second)."""
+        try:
+            st = os.stat(self.run_dir.report_json)
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp is None or stamp != self._verdicts[0]:
+            verdicts = _verdicts_of(read_json(self.run_dir.report_json)) if stamp is not None else []
+            self._verdicts = (stamp, verdicts)
+        return self._verdicts[1]
 
 
 class HttpFeed:
@@ -110,6 +134,13 @@ class HttpFeed:
         self.clock = clock
         self.timeout = timeout
         self._rates: dict[int, RateTracker] = {}
+        # A supervisor on this host: its registry entry tells its run directory (stack dumps) and
+        # working directory (short call sites), which /api/state does not.
+        live = next(
+            (r for r in registry.live_runs(clean=False) if _same_endpoint(r.endpoint, endpoint)), None
+        )
+        self.run_dir = live.run_dir if live is not None else None
+        self.job_dir = live.cwd if live is not None else None
 
     def poll(self) -> RankReport:
         # imported here: urllib.request pulls in http.client and email (tens of ms at start-up)
@@ -137,6 +168,10 @@ class HttpFeed:
         run_path = run.get("run_dir") or run.get("path")
         if isinstance(run_path, str) and Path(run_path).is_dir():
             report.run_dirs[self.label] = Path(run_path)  # same machine: stack dumps are readable
+        elif self.run_dir is not None:
+            report.run_dirs[self.label] = self.run_dir
+        if self.job_dir:
+            report.job_dirs[self.label] = self.job_dir
         now = self.clock()
         ranks = payload.get("ranks") if isinstance(payload.get("ranks"), dict) else {}
         for key, state in sorted(ranks.items(), key=lambda kv: _rank_key(kv[0])):
@@ -167,6 +202,30 @@ class MultiFeed:
             report.extend(feed.poll())
         report.ranks.sort(key=lambda r: (r.rank, r.node))
         return report
+
+
+def guess_job_dir(run_dir: RunDir) -> str | None:
+    """The working directory of the job that writes `run_dir`, where it can be told: the registry
+    entry of its live supervisor, else the folder holding ./sddoctor-runs/ (or ./runs/) when the
+    run directory is in one, as `sddoctor run` makes it by default."""
+    live = registry.find_live_run(run_dir.path)
+    if live is not None and live.cwd:
+        return live.cwd
+    parent = run_dir.path.resolve().parent
+    if parent.name in ("sddoctor-runs", "runs"):
+        return str(parent.parent)
+    return None
+
+
+def _same_endpoint(url: str | None, endpoint: str) -> bool:
+    """Whether a registry entry's endpoint URL (http://HOST:PORT) is the HOST:PORT polled."""
+    if not url:
+        return False
+    where = url.split("://", 1)[-1].rstrip("/")
+    host, _, port = endpoint.rpartition(":")
+    local = {"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", socket.gethostname()}
+    entry_host, _, entry_port = where.rpartition(":")
+    return port == entry_port and (host == entry_host or (host in local and entry_host in local))
 
 
 def _rank_key(key: Any) -> int:

@@ -43,7 +43,7 @@ class RankStatus:
     step: int | None = None
     loss: float | None = None
     it_s: float | None = None
-    images_s: float | None = None
+    images_s: float | None = None  # this rank's own images (its reported samples) per second
     micro_batch: int | None = None
     grad_accum: int | None = None
     mem_peak: int | None = None
@@ -51,6 +51,8 @@ class RankStatus:
     state: str = "starting"
     state_text: str = "no step finished yet"
     last_collective: str | None = None
+    inflight: str | None = None  # "all_reduce #812": in flight for COLLECTIVE_SHOWN_AFTER s or more
+    inflight_for: float | None = None  # seconds it has been in flight
     call_site: str | None = None
     heartbeat_age: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -99,6 +101,17 @@ class RateTracker:
         if step_time:
             return 1.0 / step_time, (samples / step_time if samples else None)
         return None, None
+
+
+#: States of a rank that makes no progress: its last rate is history, not part of the job's rate.
+STOPPED = ("exited", "crashed", "hung", "silent")
+
+
+def images_total(ranks: list[RankStatus]) -> float | None:
+    """Images per second of the whole job: the sum of the own images/s of each rank that is not
+    stopped (`RankStatus.images_s` is per rank: the samples that rank reported, over time)."""
+    rates = [r.images_s for r in ranks if r.images_s is not None and r.state not in STOPPED]
+    return sum(rates) if rates else None
 
 
 def parse_device(value: Any) -> int | None:
@@ -157,6 +170,9 @@ def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]
             f" {_fmt_seconds(dur)}" if dur is not None else ""
         )
     status.call_site = (oldest or done or {}).get("caller")
+    if oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
+        status.inflight = f"{oldest.get('op', 'collective')} #{oldest.get('seq', '?')}"
+        status.inflight_for = now - _since(oldest, now)
 
     mine = [v for v in verdicts if isinstance(v, dict) and v.get("culprit_rank") == inputs.rank]
     exit_ev = inputs.exit

@@ -25,7 +25,7 @@ from sddoctor.supervise.report import attach_preflight, build_report, rank_summa
 from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.supervise.straggler import Episode, StragglerTracker
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
-from sddoctor.telemetry import RunDir
+from sddoctor.telemetry import RunDir, registry
 
 #: Exit codes of `sddoctor run` besides the job's own (docs/run.md has the table).
 EXIT_USAGE = 2
@@ -124,6 +124,7 @@ class Supervisor:
             self.opts.run_dir.write_run_info(endpoint=self.server.url)
             self.say(f"state: {self.server.url}/api/state  metrics: {self.server.url}/metrics")
         self.say(f"run dir: {self.opts.run_dir.path}")
+        live = registry.announce(self.opts.run_dir, self.opts.command)
         restore = install_forwarding(self.job, self.signals.append)
         peer_thread = None
         gpu_log = GpuLog(self.opts.run_dir).start()  # RUN_DIR/gpus.jsonl for report.html's GPU plots
@@ -136,6 +137,7 @@ class Supervisor:
         finally:
             gpu_log.stop()
             restore()
+            live.remove()  # `sddoctor tui` lists live runs only
             # Nothing of the job survives sddoctor, whatever happened.
             if not self.job.wait_gone(2.0):
                 self.job.kill_tree(grace=3.0)

@@ -1,11 +1,12 @@
 """Cost benchmark of `sddoctor tui`, and of nvitop's data layer for comparison.
 
-    python -m sddoctor.tui.bench [--seconds 10] [--fake-gpus 8] [--json results.json]
+    python -m sddoctor.tui.bench [--seconds 10] [--fake-gpus 8] [--ranks 8] [--size 80x24 ...]
+                                 [--json results.json]
 
 Measures in one run:
   - per-sample cost of our collection (NVML + psutil), in a tight loop and at 1 Hz
   - CPU share of one core at 1 Hz over --seconds: our sampler alone, with the PCIe thread,
-    and the headless app (sampling + rendering)
+    and the headless app (sampling + rendering) at each --size, watching --ranks ranks
   - start-up time: a fresh `python` to the first frame with data, and `sddoctor tui --once`
   - the same figures for nvitop (`Device.all()` snapshots at 1 Hz, `nvitop -1`) when nvitop
     is importable and NVML works
@@ -121,16 +122,59 @@ def _wall(cmd: list[str]) -> float | None:
     return time.perf_counter() - t if out.returncode == 0 else None
 
 
-def _headless_app_share(seconds: float) -> dict[str, float]:
+#: A stand-in for a run of `ranks` ranks: rewrites each rank's state snapshot once a second
+#: with the next step (as a rank does), in its own process so that its CPU is not counted.
+RUN_WRITER = r"""
+import json, os, sys, time
+run, ranks = sys.argv[1], int(sys.argv[2])
+os.makedirs(os.path.join(run, "ranks"), exist_ok=True)
+step = 0
+while True:
+    now = time.time()
+    for r in range(ranks):
+        state = {"v": 1, "t": now, "rank": r, "pid": os.getpid(), "host": "bench", "local_rank": r,
+                 "world_size": ranks, "device": r, "status": "running", "step": step, "heartbeat": now,
+                 "phase": "backward",
+                 "last_step": {"step": step, "loss": 0.1 + 0.01 * r, "step_time": 1.0, "samples": 16,
+                               "micro_batch": 16, "grad_accum": 1, "mem_peak": 60 << 30, "t": now},
+                 "collectives": {"inflight": [], "last_done": {"pg": "default", "seq": 3 * step,
+                                 "op": "all_reduce", "caller": os.path.join(run, "train.py") + ":212",
+                                 "t": now, "duration": 0.004}}}
+        path = os.path.join(run, "ranks", f"rank-{r:05d}.state")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(state, fh)
+        os.replace(path + ".tmp", path)
+    print("ready", flush=True)
+    step += 1
+    time.sleep(max(0.0, now + 1.0 - time.time()))
+"""
+
+
+def _headless_app_share(
+    seconds: float, size: tuple[int, int] = (160, 50), ranks: int = 0
+) -> dict[str, float]:
+    import tempfile
+
     from sddoctor.gpu.collector import Collector
+    from sddoctor.gpu.rankfeeds import RunDirFeed
     from sddoctor.gpu.source import NvmlSource
     from sddoctor.tui.app import MonitorApp
 
     result: dict[str, float] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="sddoctor-bench-")
+    writer = None
+    feed = None
+    if ranks:
+        run_dir = os.path.join(tmp.name, "run-bench")
+        writer = subprocess.Popen(
+            [sys.executable, "-c", RUN_WRITER, run_dir, str(ranks)], stdout=subprocess.PIPE, text=True
+        )
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        feed = RunDirFeed(run_dir, pid_alive=None)
 
     async def main() -> None:
-        app = MonitorApp(Collector(NvmlSource()), None, interval=1.0)
-        async with app.run_test(size=(160, 50)) as pilot:
+        app = MonitorApp(Collector(NvmlSource()), feed, interval=1.0)
+        async with app.run_test(size=size) as pilot:
             while not app.ready:
                 await pilot.pause(0.01)
             await pilot.pause(0.5)
@@ -139,8 +183,16 @@ def _headless_app_share(seconds: float) -> dict[str, float]:
             wall = time.perf_counter() - wall0
             result["cpu_percent_of_core"] = 100.0 * (time.process_time() - cpu0) / wall
             result["frames"] = app.gpu_updates - n0
+            result["rank_rows"] = app.query_one("#ranks").row_count
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if writer is not None:
+            writer.kill()
+            writer.wait()
+            writer.stdout.close()  # type: ignore[union-attr]
+        tmp.cleanup()
     return result
 
 
@@ -171,7 +223,13 @@ def _nvitop_layer() -> Callable[[], Any] | None:
     return sample
 
 
-def run(seconds: float, fake_gpus: int, skip_app: bool) -> dict[str, Any]:
+def run(
+    seconds: float,
+    fake_gpus: int,
+    skip_app: bool,
+    sizes: tuple[tuple[int, int], ...] = ((160, 50),),
+    ranks: int = 0,
+) -> dict[str, Any]:
     from sddoctor.gpu.collector import Collector
     from sddoctor.gpu.nvml import set_nvml_for_tests, unavailable_reason
     from sddoctor.gpu.source import NvmlSource
@@ -211,7 +269,10 @@ def run(seconds: float, fake_gpus: int, skip_app: bool) -> dict[str, Any]:
     results["ours_once_s"] = _wall([sys.executable, "-m", "sddoctor", "tui", "--once", "--no-run"])
     results["ours_startup_to_first_frame_s"] = min(_startup(fake_gpus) for _ in range(3))
     if not skip_app:
-        results["ours_app_1hz"] = _headless_app_share(seconds)
+        results["ranks"] = ranks
+        for w, h in sizes:
+            results[f"ours_app_1hz_{w}x{h}"] = _headless_app_share(seconds, (w, h), ranks)
+        results["ours_app_1hz"] = results[f"ours_app_1hz_{sizes[0][0]}x{sizes[0][1]}"]
     set_nvml_for_tests(None, None) if fake_gpus else None
     return results
 
@@ -255,11 +316,15 @@ def table(r: dict[str, Any]) -> str:
             "",
         ),
         ("PCIe round, all GPUs (ms)", f(r.get("pcie_round_ms"), "{:.1f}"), ""),
-        (
-            "CPU % of a core, headless app at 1 Hz",
-            f(r.get("ours_app_1hz", {}).get("cpu_percent_of_core"), "{:.2f}"),
-            "",
-        ),
+        *[
+            (
+                f"CPU % of a core, headless app at 1 Hz, {key[len('ours_app_1hz_') :]}",
+                f(value.get("cpu_percent_of_core"), "{:.2f}"),
+                "",
+            )
+            for key, value in r.items()
+            if key.startswith("ours_app_1hz_")
+        ],
         ("start-up to first frame with data (s)", f(r.get("ours_startup_to_first_frame_s"), "{:.3f}"), ""),
         (
             "one-shot print (s): --once / nvitop -1",
@@ -270,7 +335,10 @@ def table(r: dict[str, Any]) -> str:
     if r.get("gpustat_once_s") is not None:
         rows.append(("gpustat one-shot (s)", "", f(r["gpustat_once_s"], "{:.3f}")))
     w0 = max(len(x[0]) for x in rows)
-    lines = [f"NVML: {r.get('nvml')}; GPUs: {r.get('gpus')}; 1 Hz phases of {r.get('seconds')} s each"]
+    lines = [
+        f"NVML: {r.get('nvml')}; GPUs: {r.get('gpus')}; ranks: {r.get('ranks', 0)}; "
+        f"1 Hz phases of {r.get('seconds')} s each"
+    ]
     for i, (a, b, c) in enumerate(rows):
         lines.append(f"| {a:<{w0}} | {b:>12} | {c:>10} |")
         if i == 0:
@@ -287,12 +355,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="length of each 1 Hz phase (default 10)")
     p.add_argument("--fake-gpus", type=int, default=0, metavar="N", help="use the fake NVML with N GPUs")
     p.add_argument("--skip-app", action="store_true", help="leave out the headless app phase")
+    p.add_argument(
+        "--size",
+        action="append",
+        metavar="WxH",
+        help="terminal size of the headless app phase; repeat for several (default 160x50)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the app also watches a run of N ranks whose snapshots advance once a second",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
-    if args.seconds <= 0 or args.fake_gpus < 0:
-        print("bench: --seconds must be > 0 and --fake-gpus >= 0", file=sys.stderr)
+    sizes = []
+    for text in args.size or ["160x50"]:
+        w, sep, h = text.partition("x")
+        if not (sep and w.isdigit() and h.isdigit() and int(w) >= 20 and int(h) >= 10):
+            print(f"bench: --size {text!r}: expected WIDTHxHEIGHT, e.g. --size 80x24", file=sys.stderr)
+            return 2
+        sizes.append((int(w), int(h)))
+    if args.seconds <= 0 or args.fake_gpus < 0 or args.ranks < 0:
+        print("bench: --seconds must be > 0, --fake-gpus and --ranks >= 0", file=sys.stderr)
         return 2
-    results = run(args.seconds, args.fake_gpus, args.skip_app)
+    results = run(args.seconds, args.fake_gpus, args.skip_app, tuple(sizes), args.ranks)
     print(table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -28,13 +28,15 @@ of a DDP run (step, loss, it/s, images/s, which collective each rank waits in, v
 
 EPILOG = """\
 examples:
-  sddoctor tui                                  # local GPUs + newest run in ./sddoctor-runs or ./runs
+  sddoctor tui                                  # local GPUs + your running `sddoctor run` (a list
+                                                #   to pick from if several), else the newest run in
+                                                #   ./sddoctor-runs or ./runs
   sddoctor tui --run-dir sddoctor-runs/run-20261202-101500
   sddoctor tui --connect node0:8765 --connect node1:8765   # several nodes in one view
   sddoctor tui --once                           # one text snapshot, no UI
   sddoctor tui --json | jq '.gpus[].utilization_gpu'
 
-keys: ? help, s sort, / filter, enter rank details and stack dump, p pause, q quit
+keys: ? help, s sort, / filter, enter rank details and stack dump, p pause, r pick a live run, q quit
 
 {exit_codes}
 """.format(exit_codes=exitcodes.help_block("tui"))
@@ -89,8 +91,13 @@ def _check_endpoint(text: str) -> str | None:
     return f"{host}:{int(port)}"
 
 
-def make_feed(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The rank feed the arguments ask for (None: no run). Raises ValueError with a user message."""
+def make_feed(args: argparse.Namespace, live: list | None = None):  # type: ignore[no-untyped-def]
+    """The rank feed the arguments ask for (None: no run). Raises ValueError with a user message.
+
+    With neither --run-dir, --connect nor --no-run: the one live run of this user on this host
+    (`live`, from the registry), all of them when there are several, else the newest run
+    directory under ./sddoctor-runs or ./runs.
+    """
     from sddoctor.gpu.rankfeeds import HttpFeed, MultiFeed, RunDirFeed
     from sddoctor.telemetry import find_latest_run
     from sddoctor.telemetry.reader import unreadable
@@ -111,6 +118,8 @@ def make_feed(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         if checked is None:
             raise ValueError(f"--connect {ep!r}: expected HOST:PORT, for example --connect 127.0.0.1:8765")
         feeds.append(HttpFeed(checked))
+    if not feeds and not args.no_run and live:
+        feeds += [RunDirFeed(run.run_dir, job_dir=run.cwd) for run in live]
     if not feeds and not args.no_run:
         latest = find_latest_run(*DEFAULT_RUN_BASES)
         if latest is not None:
@@ -139,8 +148,15 @@ def main(argv: list[str]) -> int:
     source = NvmlSource(
         pcie_interval=0 if args.once or args.json else args.pcie_interval, open_in_background=True
     )
+    live = []
+    if not (args.run_dir or args.connect or args.no_run):
+        from sddoctor.telemetry.registry import live_runs
+
+        live = live_runs()
+    # Several live runs: the live view asks which one to watch; --once and --json show them all.
+    pick = live if len(live) > 1 and not (args.once or args.json) else None
     try:
-        feed = make_feed(args)
+        feed = None if pick else make_feed(args, live)
     except ValueError as exc:
         source.close()
         return _fail(str(exc))
@@ -161,7 +177,7 @@ def main(argv: list[str]) -> int:
         gc.freeze()
         gc.enable()
 
-    app = MonitorApp(Collector(source), feed, interval=args.interval)
+    app = MonitorApp(Collector(source), feed, interval=args.interval, pick_runs=pick)
     app.run()
     return EXIT_OK
 

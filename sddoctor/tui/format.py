@@ -9,6 +9,14 @@ def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f}"
 
 
+def gib_short(n: int | None) -> str:
+    """GiB in at most 4-5 characters: 0.6, 53.1, 140 (no decimal from 100 on)."""
+    if n is None:
+        return "-"
+    v = n / 2**30
+    return f"{v:.0f}" if v >= 99.95 else f"{v:.1f}"
+
+
 def mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.0f}"
 
@@ -34,14 +42,35 @@ def loss(v: float | None) -> str:
     return "-" if v is None else f"{v:.4g}"
 
 
+def loss_short(v: float | None) -> str:
+    """A loss in at most 8 characters: 0.1234, 12.35, 1.23e-05."""
+    if v is None:
+        return "-"
+    if v != 0 and not 1e-3 <= abs(v) < 1e4:
+        return f"{v:.2e}"
+    return f"{v:.4g}"
+
+
+def age(seconds: float | None) -> str:
+    """A duration in at most 6 characters: 4s, 95s, 1m40s, 12m, 3h07m."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 600:
+        return f"{s}s" if s < 100 else f"{s // 60}m{s % 60:02d}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def sparkline(values: list[float], width: int, top: float = 100.0) -> str:
     """The last `width` values as block characters scaled to [0, top]."""
-    values = values[-width:]
-    out = []
-    for v in values:
-        frac = 0.0 if top <= 0 else max(0.0, min(1.0, v / top))
-        out.append(SPARK_CHARS[round(frac * (len(SPARK_CHARS) - 1))])
-    return "".join(out).rjust(width)
+    if top <= 0:
+        return " " * width
+    steps = len(SPARK_CHARS) - 1
+    scale = steps / top
+    chars = SPARK_CHARS
+    return "".join(chars[min(steps, max(0, round(v * scale)))] for v in values[-width:]).rjust(width)
 
 
 def bar(frac: float | None, width: int) -> str:

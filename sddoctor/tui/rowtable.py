@@ -2,32 +2,118 @@
 
 Textual's DataTable re-renders every visible cell through Rich after any change; at one
 update a second with 8 GPUs that alone cost more than 1% of a core. The monitor's tables are
-rewritten wholesale each sample and need no cell editing, so this widget lays each row out
-once as a single Text and draws it as a strip (Textual's line API). It keeps what the
+rewritten wholesale each sample and need no cell editing, so this widget draws each row
+straight to segments, one per cell, and hands Textual a strip (its line API). It keeps what the
 monitor uses from DataTable: a header, a cursor kept on the same row key across updates,
 keys (up/down/page/home/end, enter), mouse (click to select, click again to open, wheel), and
 a `RowSelected` message.
+
+Columns fit the width the table has, as nvitop's and htop's do: each `Column` has a priority,
+and the ones that do not fit are left out, least important first (a column whose cells are all
+empty is left out too); one `flex` column takes the width the others leave and cuts its cells
+its own way (a path keeps its file name). Only when even the columns of priority 0 do not fit
+does the table scroll sideways.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
+from rich.cells import cell_len, set_cell_size
+from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding
-from textual.events import Click
+from textual.events import Click, Resize
 from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-GAP = 2
+from sddoctor.tui.textlines import refresh_runs
+
+GAPS = (2, 1)  # space between columns: two where everything that matters fits, else one
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    priority: int = 0  # 0: always shown; higher numbers are left out first when space is short
+    max_width: int = 40  # longer cells are cut with an ellipsis
+    align: str = "left"  # "right" for numbers
+    flex: bool = False  # takes the width the other columns leave, at least `min_width`
+    min_width: int = 8
+    clip: Callable[[str, int], str] | None = None  # how a flex cell is cut (default: ellipsis at the end)
+
+
+def _as_column(c: Column | str) -> Column:
+    return c if isinstance(c, Column) else Column(c)
+
+
+def fit_columns(columns: list[Column], natural: list[int], width: int) -> tuple[list[tuple[int, int]], int]:
+    """Which columns to show in `width` cells, and how wide: [(column index, width)], gap.
+
+    `natural[i]` is the width column i's widest cell wants (0: the column is empty, left out).
+    """
+    present = [i for i, w in enumerate(natural) if w > 0]
+    order = sorted(present, key=lambda i: (columns[i].priority, i))
+    chosen: list[int] = []
+    gap, total = GAPS[0], 0
+    for gap in GAPS:
+        chosen, total = [], 0
+        for i in order:
+            c = columns[i]
+            need = min(natural[i], max(c.min_width, len(c.title))) if c.flex else natural[i]
+            extra = need + (gap if chosen else 0)
+            if c.priority == 0 or total + extra <= width:
+                chosen.append(i)
+                total += extra
+        if total <= width:
+            break
+    widths = {}
+    spare = max(0, width - total)
+    for i in sorted(chosen):
+        c = columns[i]
+        if c.flex:
+            base = min(natural[i], max(c.min_width, len(c.title)))
+            grow = min(natural[i] - base, spare)
+            spare -= grow
+            widths[i] = base + grow
+        else:
+            widths[i] = natural[i]
+    return [(i, widths[i]) for i in sorted(chosen)], gap
+
+
+#: A cell: a plain string, or a Text drawn in its (base) style.
+Cell = str | Text
+
+
+def _plain(cell: Cell) -> str:
+    return cell if isinstance(cell, str) else cell.plain
+
+
+def _fit(text: str, width: int, column: Column) -> str:
+    """`text` in exactly `width` cells: cut (the column's way, else with an ellipsis), then padded."""
+    size = cell_len(text)
+    if size > width:
+        text = column.clip(text, width) if column.clip is not None else set_cell_size(text, width - 1) + "…"
+        size = cell_len(text)
+    if size < width:
+        pad = " " * (width - size)
+        text = pad + text if column.align == "right" else text + pad
+    return text
+
+
+@lru_cache(maxsize=256)
+def _style_of(style: str | Style) -> Style:
+    return style if isinstance(style, Style) else Style.parse(style)
 
 
 class RowTable(ScrollView, can_focus=True):
     DEFAULT_CSS = """
-    RowTable { height: 1fr; }
+    RowTable { height: 1fr; scrollbar-size-vertical: 1; scrollbar-gutter: stable; }
     RowTable > .rowtable--header { text-style: bold; color: $text-accent; }
     RowTable > .rowtable--cursor { background: $accent 40%; }
     RowTable:focus > .rowtable--cursor { background: $accent; color: $text; }
@@ -50,13 +136,19 @@ class RowTable(ScrollView, can_focus=True):
         cursor_row: int
         key: str
 
-    def __init__(self, columns: list[str], *, id: str | None = None, max_width: int = 80) -> None:  # noqa: A002
+    def __init__(self, columns: list[Column | str], *, id: str | None = None) -> None:  # noqa: A002
         super().__init__(id=id)
-        self.columns = columns
-        self.max_width = max_width
-        self._rows: list[tuple[str, list[Text]]] = []
-        self._widths = [len(c) for c in columns]
+        self.columns = [_as_column(c) for c in columns]
+        self._rows: list[tuple[str, list[Cell]]] = []
+        self._natural = [len(c.title) for c in self.columns]
+        self._layout: tuple[list[tuple[int, int]], int] = ([], GAPS[0])
+        self._layout_for: tuple[int, tuple[int, ...]] | None = None
         self.cursor_row = 0
+        self._style: Style | None = None  # rich_style walks the ancestors: once per style change
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._style = None
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -65,34 +157,66 @@ class RowTable(ScrollView, can_focus=True):
         return len(self._rows)
 
     def get_row_at(self, index: int) -> list[str]:
-        return [c.plain for c in self._rows[index][1]]
+        return [_plain(c) for c in self._rows[index][1]]
+
+    def column_index(self, title: str) -> int:
+        return next(i for i, c in enumerate(self.columns) if c.title == title)
 
     def row_key(self, index: int) -> str:
         return self._rows[index][0]
 
-    def set_rows(self, rows: list[tuple[str, list[Text]]]) -> None:
-        """Replace all rows; the cursor stays on the row with the same key when there is one."""
+    @property
+    def shown_columns(self) -> list[str]:
+        """Titles of the columns drawn at the present width."""
+        return [self.columns[i].title for i, _ in self._layout[0]]
+
+    def set_rows(self, rows: list[tuple[str, list[Cell]]]) -> None:
+        """Replace all rows (each a key and its cells: plain strings, or Text for a styled cell);
+        the cursor stays on the row with the same key when there is one."""
         if rows == self._rows:
             return
         current = self._rows[self.cursor_row][0] if 0 <= self.cursor_row < len(self._rows) else None
-        widths = [len(c) for c in self.columns]
+        natural = [0] * len(self.columns)
         for _, cells in rows:
-            for i, cell in enumerate(cells[: len(widths)]):
-                widths[i] = max(widths[i], min(cell.cell_len, self.max_width))
+            for i, cell in enumerate(cells[: len(natural)]):
+                size = cell_len(cell) if isinstance(cell, str) else cell.cell_len
+                if size > natural[i]:
+                    natural[i] = size
+        for i, c in enumerate(self.columns):
+            if natural[i] or not rows:  # an empty column stays out; an empty table shows its header
+                natural[i] = max(min(natural[i], c.max_width), len(c.title))
         keys = [k for k, _ in rows]
-        if widths == self._widths and keys == [k for k, _ in self._rows]:
+        if natural == self._natural and keys == [k for k, _ in self._rows]:
             # the same rows with some new values: redraw only the lines that changed
-            changed = [i for i, (new, old) in enumerate(zip(rows, self._rows, strict=True)) if new != old]
+            top = int(self.scroll_y)
+            body = range(top, top + max(0, self.scrollable_content_region.height - 1))
+            changed = [i for i in body if i < len(rows) and rows[i] != self._rows[i]]
             self._rows = rows
-            for i in changed:
-                self.refresh_line(i + 1)  # line 0 is the header
+            # only the changed lines: the border and the header stay as drawn (line 0 is the
+            # header; refresh_lines takes the scroll off)
+            refresh_runs(self, [i + 1 for i in changed])
             return
-        self._rows, self._widths = rows, widths
+        self._rows, self._natural = rows, natural
         self.cursor_row = (
             keys.index(current) if current in keys else min(self.cursor_row, max(0, len(rows) - 1))
         )
-        self.virtual_size = Size(sum(widths) + GAP * len(widths), len(rows) + 1)
-        self.refresh()
+        self._relayout()
+
+    def on_resize(self, event: Resize) -> None:
+        self._relayout()
+
+    def _relayout(self) -> None:
+        width = self.scrollable_content_region.width or self.size.width
+        key = (width, tuple(self._natural))
+        if key != self._layout_for:
+            self._layout_for = key
+            self._layout = fit_columns(self.columns, self._natural, width)
+        shown, gap = self._layout
+        line = sum(w for _, w in shown) + gap * max(0, len(shown) - 1)
+        height = self.virtual_size.height
+        self.virtual_size = Size(line, len(self._rows) + 1)
+        # a new layout only when the height changes (it matters to a table of height auto)
+        self.refresh(layout=height != self.virtual_size.height)
 
     def move_cursor(self, row: int) -> None:
         if not self._rows:
@@ -108,36 +232,50 @@ class RowTable(ScrollView, can_focus=True):
 
     # -- drawing -------------------------------------------------------------------------------
 
-    def _line_text(self, cells: list[Text]) -> Text:
-        line = Text(no_wrap=True, overflow="ellipsis")
-        for width, cell in zip(self._widths, cells, strict=False):
-            piece = cell.copy()
-            piece.truncate(width, overflow="ellipsis", pad=True)
-            line.append_text(piece)
-            line.append(" " * GAP)
-        return line
+    def _line(self, cells: list[Cell], line_style: Style, plain: bool) -> Strip:
+        """One row as a strip as wide as the widget: each cell cut or padded to its column, drawn
+        in the cell's own style over `line_style` (a cell's spans are not drawn; `plain` drops
+        the cells' styles too)."""
+        shown, gap = self._layout
+        segments = []
+        length = 0
+        for n, (i, width) in enumerate(shown):
+            if n:
+                segments.append(Segment(" " * gap, line_style))
+                length += gap
+            cell = cells[i] if i < len(cells) else ""
+            if isinstance(cell, str):
+                text, style = cell, line_style
+            else:
+                text = cell.plain
+                style = line_style if plain or not cell.style else line_style + _style_of(cell.style)
+            segments.append(Segment(_fit(text, width, self.columns[i]), style))
+            length += width
+        width = self.scrollable_content_region.width
+        scroll_x = int(self.scroll_x)
+        if scroll_x:
+            return (
+                Strip(segments, length).crop(scroll_x, scroll_x + width).extend_cell_length(width, line_style)
+            )
+        # one Strip from finished segments: each Strip made on the way costs Textual's caches
+        return Strip(Segment.adjust_line_length(segments, width, style=line_style), width)
 
     def render_line(self, y: int) -> Strip:
-        width = self.scrollable_content_region.width
-        scroll_x, scroll_y = self.scroll_offset
+        if self._style is None:
+            self._style = self.rich_style
+        base = self._style
         if y == 0:
-            text = self._line_text([Text(c) for c in self.columns])
-            style = self.get_component_rich_style("rowtable--header")
-        else:
-            index = y - 1 + scroll_y
-            if index >= len(self._rows):
-                return Strip.blank(width, self.rich_style)
-            text = self._line_text(self._rows[index][1])
-            if index == self.cursor_row:
-                style = self.get_component_rich_style("rowtable--cursor")
-            elif index % 2:
-                style = self.get_component_rich_style("rowtable--odd")
-            else:
-                style = Style()
-        segments = list(text.render(self.app.console))
-        strip = Strip(segments, text.cell_len).crop(scroll_x, scroll_x + width)
-        strip = strip.extend_cell_length(width)
-        return strip.apply_style(self.rich_style + style) if style else strip.apply_style(self.rich_style)
+            header = base + self.get_component_rich_style("rowtable--header")
+            return self._line([c.title for c in self.columns], header, plain=True)
+        index = y - 1 + int(self.scroll_y)
+        if index >= len(self._rows):
+            return Strip.blank(self.scrollable_content_region.width, base)
+        cells = self._rows[index][1]
+        if index == self.cursor_row:  # plain: a coloured cell would not read on the cursor
+            return self._line(cells, base + self.get_component_rich_style("rowtable--cursor"), plain=True)
+        if index % 2:
+            return self._line(cells, base + self.get_component_rich_style("rowtable--odd"), plain=False)
+        return self._line(cells, base, plain=False)
 
     # -- input ---------------------------------------------------------------------------------
 

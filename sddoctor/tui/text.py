@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from sddoctor.gpu.overview import Overview
+from sddoctor.gpu.ranks import images_total
 from sddoctor.tui.format import gib, loss, mib, num, pct, rank_label
+from sddoctor.tui.paths import short_site, shorten_paths_in
 
 
 def render_text(ov: Overview) -> str:
@@ -40,16 +42,22 @@ def render_text(ov: Overview) -> str:
                 f"CPU {pct(p.cpu_percent):>4}  {(p.command or '?')[:60]}" + (f"  !! {flags}" if flags else "")
             )
     if ov.report.sources:
-        lines.append(f"run: {', '.join(ov.report.sources)}")
+        total = images_total(ov.report.ranks)
+        lines.append(
+            f"run: {', '.join(ov.report.sources)}"
+            + (f"  all ranks {total:.1f} img/s" if total is not None else "")
+        )
     for r in ov.report.ranks:
         lines.append(
             f"  rank {r.rank:<3} {r.node:<20} pid {num(r.pid):<8} GPU {num(r.device):<2} step {num(r.step):<7} "
-            f"loss {loss(r.loss):<8} it/s {num(r.it_s, '{:.2f}'):<6} img/s {num(r.images_s, '{:.1f}'):<7} "
-            f"{r.state:<12} {r.state_text}"
+            f"loss {loss(r.loss):<8} it/s {num(r.it_s, '{:.2f}'):<6} img/s/rank {num(r.images_s, '{:.1f}'):<7} "
+            f"{r.state:<12} {shorten_paths_in(r.state_text, ov.report.job_dirs.get(r.node))}"
         )
     for a in ov.alerts:
+        job_dir = ov.report.job_dirs.get(a.source or "")
+        summary, location = shorten_paths_in(a.summary, job_dir), short_site(a.location, job_dir)
         lines.append(
-            f"{a.severity.upper():<7} {a.summary}"
-            + (f" ({a.location})" if a.location and a.location not in a.summary else "")
+            f"{a.severity.upper():<7} {summary}"
+            + (f" ({location})" if location and location not in summary else "")
         )
     return "\n".join(lines)
