@@ -57,6 +57,9 @@ def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """(JSON-safe tree, {name: tensor}); tensors are referenced by their path in the tree."""
     tensors: dict[str, torch.Tensor] = {}
 
+    def join(path: str, key: Any) -> str:
+        return f"{path}/{key}" if path else str(key)
+
     def walk(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
             name = path or "tensor"
@@ -69,13 +72,13 @@ def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(node, float):
             return node if math.isfinite(node) else {FLOAT: repr(node)}
         if isinstance(node, tuple):
-            return {TUPLE: [walk(v, f"{path}/{i}") for i, v in enumerate(node)]}
+            return {TUPLE: [walk(v, join(path, i)) for i, v in enumerate(node)]}
         if isinstance(node, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+            return [walk(v, join(path, i)) for i, v in enumerate(node)]
         if isinstance(node, dict):
             if all(isinstance(k, str) for k in node) and not _TAGS.intersection(node):
-                return {k: walk(v, f"{path}/{k}" if path else k) for k, v in node.items()}
-            return {ITEMS: [[walk(k, ""), walk(v, f"{path}/{k}")] for k, v in node.items()]}
+                return {k: walk(v, join(path, k)) for k, v in node.items()}
+            return {ITEMS: [[walk(k, ""), walk(v, join(path, k))] for k, v in node.items()]}
         raise TypeError(f"cannot store {type(node).__name__} at {path or 'the top'} in a checkpoint")
 
     return walk(tree, ""), tensors
