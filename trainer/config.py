@@ -264,8 +264,10 @@ def build_config(
     set_values = dict(parse_override(o) for o in overrides or [])
     # The preset decides the defaults everything else refines, so find it first.
     chosen = set_values.get("model.preset") or preset or file_values.get("model.preset") or "tiny"
-    if chosen not in PRESETS:
-        raise ConfigError(f"unknown preset {chosen!r}; valid presets: {', '.join(PRESETS)}")
+    if not isinstance(chosen, str) or chosen not in PRESETS:
+        raise ConfigError(
+            f"unknown preset {chosen!r} (config key 'model.preset'); valid presets: {', '.join(PRESETS)}"
+        )
     cfg = Config()
     for key, value in PRESETS[chosen].items():
         set_key(cfg, key, value, source=f"preset {chosen}")
@@ -484,10 +486,10 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 def _profile_steps(value: Any) -> bool:
     try:
-        parse_steps(value)
+        steps = parse_steps(value)
     except (ValueError, TypeError, AttributeError):
         return False
-    return True
+    return steps is None or steps[1] <= 10**9
 
 
 #: Every leaf of the config tree and what it may hold. `validate` checks them all, in this order;
@@ -539,7 +541,9 @@ RULES: dict[str, Rule] = {
     "train.oom_guard": _BOOL,
     "train.oom_fallback_checkpointing": _BOOL,
     "train.trace_collectives": _BOOL,
-    "train.profile_steps": Rule(_profile_steps, "'' (off) or FIRST-LAST step numbers from 1, e.g. 11-13"),
+    "train.profile_steps": Rule(
+        _profile_steps, "'' (off) or FIRST-LAST step numbers from 1 to 1,000,000,000, e.g. 11-13"
+    ),
     "optim.lr": _float(0, low_open=True),
     "optim.betas": _each(_float(0, 1, high_open=True), "two numbers in [0, 1), e.g. 0.9,0.999"),
     "optim.weight_decay": _float(0),

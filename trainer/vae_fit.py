@@ -10,6 +10,7 @@ VAE. Every rank ends with identical weights (DDP) and the same scaling factor (b
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from trainer.data import ResumableDistributedSampler, build_dataloader
 from trainer.models import vae_scale_factor
-from trainer.nonfinite import NonFiniteWatch
+from trainer.nonfinite import NonFiniteError, NonFiniteWatch
 
 
 def fit_vae(
@@ -91,6 +92,11 @@ def fit_vae(
         recent /= world_size
         _broadcast_weights(vae, rank, log)
     _set_scaling_factor(vae, dataset, device, batch_size)
+    if not math.isfinite(vae.config.scaling_factor) or vae.config.scaling_factor <= 0:
+        raise NonFiniteError(
+            f"the VAE fit diverged: its latents are not finite numbers (scaling factor "
+            f"{vae.config.scaling_factor}); stopped without saving. Lower model.vae_warmup_lr (now {lr:g})"
+        )
     return float(recent)
 
 
