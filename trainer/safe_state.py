@@ -179,7 +179,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            # Owned copies: tensors backed by the file's memory map would keep a pruned checkpoint's
+            # disk space in use for the whole run, and an optimizer could end up updating them in place.
+            return {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
     except Exception as exc:  # the library raises its own error type, OSError or ValueError
         raise StateFormatError(f"{path.name} is not a valid safetensors file ({_first_line(exc)})") from None
 
