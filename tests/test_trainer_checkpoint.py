@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO_ROOT, subprocess_env
+from conftest import REPO_ROOT, run_to_end, subprocess_env
 from trainer.checkpoint import (
     CheckpointError,
     Resume,
@@ -349,15 +349,8 @@ def test_converting_an_earlier_checkpoint_keeps_every_value(tmp_path):
     }
     torch.save({"rng": old_rng, "sampler": {"position": 7}, "step": 7}, path / "rank-00000.pt")
     (path / "meta.json").write_text(json.dumps({"step": 7, "world_size": 1, "time": 0}))
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer.checkpoint", "convert", str(path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
+    code, output = run_to_end([sys.executable, "-m", "trainer.checkpoint", "convert", str(path)], timeout=120)
+    assert code == 0, output
     resume = choose_checkpoint("latest", tmp_path / "checkpoints", 0, 1, False, one_rank, print)
     state, rank_state, _ = load_checkpoint(resume, 0)
     assert torch.equal(state["unet"]["conv.weight"], old_shared["unet"]["conv.weight"])
@@ -366,13 +359,6 @@ def test_converting_an_earlier_checkpoint_keeps_every_value(tmp_path):
     other = torch.Generator()
     set_rng_state(rank_state["rng"], other)
     assert (random.random(), np.random.rand(2).tolist(), torch.rand(2, generator=other).tolist()) == expected
-    verified = subprocess.run(
-        [sys.executable, "-m", "trainer.checkpoint", "verify", str(path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert verified.returncode == 0 and "intact (step 7" in verified.stdout, verified.stderr
+    code, output = run_to_end([sys.executable, "-m", "trainer.checkpoint", "verify", str(path)], timeout=120)
+    assert code == 0 and "intact (step 7" in output, output
     shutil.rmtree(path)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, subprocess_env
+from conftest import REPO_ROOT, run_to_end, subprocess_env
 from export_check import PROMPTS
 from sddoctor.telemetry.reader import read_events
 from trainer.checkpoint import choose_checkpoint, list_checkpoints, load_checkpoint
@@ -170,25 +170,17 @@ def test_sigterm_checkpoints_and_resume_repeats_the_losses(reference, cache, tmp
 
 
 def run_one_rank(out: Path, cache: Path, *extra: str) -> tuple[int, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--output-dir",
-            str(out),
-            *SMALL,
-            f"data.cache_dir={cache}",
-            *extra,
-        ],
-        cwd=REPO_ROOT,
-        env=subprocess_env(SDDOCTOR_PREFLIGHT="0"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    return finish(proc)
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--output-dir",
+        str(out),
+        *SMALL,
+        f"data.cache_dir={cache}",
+        *extra,
+    ]
+    return run_to_end(cmd, timeout=240, env=subprocess_env(SDDOCTOR_PREFLIGHT="0"))
 
 
 def test_another_world_size_or_a_missing_rank_file_is_refused_or_resharded(reference, cache, tmp_path):

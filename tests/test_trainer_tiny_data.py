@@ -8,10 +8,7 @@ sampling and the export. Too little data for one step is exit 2 with the numbers
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO_ROOT, subprocess_env
+from conftest import REPO_ROOT, run_to_end, subprocess_env
 from trainer.checkpoint import list_checkpoints
 
 
@@ -58,24 +55,7 @@ def train(tmp_path: Path, ranks: int, *overrides: str) -> tuple[int, str]:
         "sample.steps=2",
         *overrides,
     ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
-        env=subprocess_env(SDDOCTOR_PREFLIGHT="0"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(
-            f"{ranks} rank(s) {overrides} did not finish in 400 s (a loop that never ends?):\n{output[-3000:]}"
-        )
-    return proc.returncode, output
+    return run_to_end(cmd, timeout=400, env=subprocess_env(SDDOCTOR_PREFLIGHT="0"))
 
 
 @pytest.mark.slow
