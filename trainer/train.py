@@ -946,9 +946,9 @@ def _checkpoint_must_fit(path: Path) -> Any:
     try:
         yield
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no detail"
         raise CheckpointError(
-            f"checkpoint {path} does not fit this run ({type(exc).__name__}: {first[:300]}); resume it "
+            f"checkpoint {path} does not fit this run ({type(exc).__name__}: {detail[:300]}); resume it "
             "with the preset, model and optimizer settings it was saved with"
         ) from None
 
