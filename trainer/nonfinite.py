@@ -1,7 +1,7 @@
 """Stop a run whose loss or gradient stops being a finite number, before its weights are saved.
 
 The policy: the first non-finite loss (any rank) or non-finite gradient norm (after DDP's
-all-reduce, so every rank sees it) ends the run with `NonFiniteError` (exit code 4) at the next
+all-reduce, so every rank sees it) ends the run with `NonFiniteError` (exit code 3) at the next
 check: every logging interval, and before every checkpoint, sample grid and export. Nothing is
 written after the step that went wrong, so the newest checkpoint holds finite weights and a
 resume from it (with a lower learning rate, say) continues from before the divergence.

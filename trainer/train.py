@@ -63,7 +63,7 @@ from trainer.vae_fit import fit_vae
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 4
+EXIT_DIVERGED = 3
 
 HELP_EPILOG = """\
 examples:
@@ -88,7 +88,7 @@ exit codes:
   2    bad input: unknown preset or config key, a value outside what the key allows, bad
        TOML, missing model or data folder, unusable data, a --resume target that is damaged,
        in the earlier pickle format, or from another number of ranks
-  4    training diverged: the loss or gradient became NaN/inf; nothing was saved after it
+  3    training diverged: the loss or gradient became NaN/inf; nothing was saved after it
   130  stopped by SIGINT, 143 by SIGTERM (after saving a checkpoint)
 """
 
@@ -623,7 +623,7 @@ class Trainer:
         watch = NonFiniteWatch(device, d.rank, d.world_size)
 
         def check_finite() -> None:
-            """Every rank: stop (NonFiniteError, exit 4) if a loss or gradient was NaN/inf since the start."""
+            """Every rank: stop (NonFiniteError, exit 3) if a loss or gradient was NaN/inf since the start."""
             watch.check(
                 "training",
                 f"The newest checkpoint under {ckpt_root} predates it: resume it with --resume latest and "
