@@ -10,13 +10,15 @@ Skipping bad steps instead would hide a diverging run for days; the fp16 loss sc
 skipping steps whose gradients overflow (that is its normal work), so with fp16 only the loss
 is watched.
 
-`observe` costs a few tiny device kernels per step and no host sync; `check` is one all-reduce
-of two numbers per rank and one sync, at points that sync anyway.
+`observe` costs a few tiny device kernels per step and no host sync. At the logging interval the
+watch's two numbers per rank ride in the all-reduce the trainer runs there anyway (`for_max`);
+before a checkpoint, sample grid or export `check(None, ...)` runs one small all-reduce itself.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,12 +49,21 @@ class NonFiniteWatch:
             mine = self.first[self.rank, column]
             mine.copy_(torch.minimum(mine, bad_at))
 
-    def check(self, what: str, advice: str) -> None:
-        """Raise NonFiniteError on every rank if any rank saw a non-finite value (collective)."""
-        first = self.first.clone()
-        if self.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        table = first.tolist()
+    def for_max(self) -> torch.Tensor:
+        """This rank's numbers negated and flat, to ride along in a MAX all-reduce (the caller's)."""
+        return -self.first.flatten()
+
+    def check(self, reduced: list[float] | None, what: str, advice: str | Callable[[], str]) -> None:
+        """Raise NonFiniteError on every rank if any rank saw a non-finite value.
+
+        `reduced` is `for_max()` after the caller's MAX all-reduce; None: reduce here (a collective).
+        """
+        if reduced is None:
+            first = self.first.clone()
+            if self.world_size > 1 and dist.is_initialized():
+                dist.all_reduce(first, op=dist.ReduceOp.MIN)
+            reduced = (-first.flatten()).tolist()
+        table = [[-reduced[2 * r], -reduced[2 * r + 1]] for r in range(self.world_size)]
         if all(math.isinf(v) for row in table for v in row):
             return
         loss_at = min(row[0] for row in table)
@@ -63,4 +74,6 @@ class NonFiniteWatch:
             parts.append(f"the loss was not finite at step {int(loss_at)} on rank(s) {ranks}")
         if not math.isinf(grad_at):
             parts.append(f"the gradient norm was not finite at step {int(grad_at)}")
+        if callable(advice):
+            advice = advice()
         raise NonFiniteError(f"{what} diverged: {' and '.join(parts)}; stopped without saving. {advice}")

@@ -40,6 +40,7 @@ from trainer.cache import build_cache
 from trainer.checkpoint import (
     CheckpointError,
     choose_checkpoint,
+    find_latest,
     fresh_rng_state,
     load_checkpoint,
     rng_state,
@@ -338,7 +339,8 @@ class Trainer:
             code = EXIT_BAD_INPUT
         except (OOMGuardError, NonFiniteError) as exc:
             # Raised on every rank alike: the message is the diagnosis, a traceback adds nothing.
-            print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+            if self.dist.rank == 0 or isinstance(exc, OOMGuardError):
+                print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
             sdi.event(EventKind.EXCEPTION, type=type(exc).__name__, message=str(exc))
             code = EXIT_DIVERGED if isinstance(exc, NonFiniteError) else EXIT_FAILED
         except Exception as exc:
@@ -622,15 +624,24 @@ class Trainer:
         used_lr = [lr_scheduler.get_last_lr()[0]]
         watch = NonFiniteWatch(device, d.rank, d.world_size)
 
-        def check_finite() -> None:
-            """Every rank: stop (NonFiniteError, exit 3) if a loss or gradient was NaN/inf since the start."""
-            watch.check(
-                "training",
-                f"The newest checkpoint under {ckpt_root} predates it: resume it with --resume latest and "
-                f"a lower optim.lr (now {cfg.optim.lr:g})"
-                + ("" if cfg.train.max_grad_norm > 0 else ", train.max_grad_norm=1")
-                + ", or look for bad data in the steps before",
+        def check_finite(reduced: list[float] | None = None) -> None:
+            """Every rank: stop (NonFiniteError, exit 3) if a loss or gradient was NaN/inf since the start.
+
+            `reduced`: the watch's numbers already MAX-reduced with the stop flag (no collective here).
+            """
+            watch.check(reduced, "training", divergence_advice)
+
+        def divergence_advice() -> str:
+            lower = f"a lower optim.lr (now {cfg.optim.lr:g})" + (
+                "" if cfg.train.max_grad_norm > 0 else " and train.max_grad_norm=1"
             )
+            latest = find_latest(ckpt_root)
+            start = (
+                f"Resume the newest checkpoint ({latest}, from before it) with --resume latest and {lower}"
+                if latest is not None
+                else f"No checkpoint was saved before it: start again with {lower}"
+            )
+            return f"{start}, or look for bad data in the steps before"
 
         def optimizer_step() -> None:
             """Unscale, clip, step, schedule, EMA, zero_grad."""
@@ -810,12 +821,14 @@ class Trainer:
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 reporter.flush()
                 mean = loss_window / window_steps
-                flag = torch.tensor(float(stop.signum), device=device)
+                # The stop flag and the non-finite watch share one all-reduce (MAX).
+                flag = torch.cat([torch.full((1,), float(stop.signum), device=device), watch.for_max()])
                 dist.all_reduce(mean)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 mean_loss = mean.item() / d.world_size
-                signalled = int(flag.item())
-                check_finite()
+                flags = flag.tolist()
+                signalled = int(flags[0])
+                check_finite(flags[1:])
                 first_loss = mean_loss if first_loss is None else first_loss
                 if d.rank == 0:
                     progress.show(step, mean_loss, images_per_step, lr)

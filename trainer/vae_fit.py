@@ -84,6 +84,7 @@ def fit_vae(
     vae.eval()
     vae.requires_grad_(False)
     watch.check(
+        None,
         "the VAE fit",
         f"Lower model.vae_warmup_lr (now {lr:g}) or model.vae_kl_weight (now {kl_weight:g})",
     )
