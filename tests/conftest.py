@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +24,30 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         env.pop(key, None)
     env.update(extra)
     return env
+
+
+def run_to_end(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
+) -> tuple[int, str]:
+    """Run `cmd` in its own session; (exit code, stdout+stderr). Past `timeout` its whole process
+    group is killed and the test fails with the output's tail (a hang, not a slow machine, at
+    the generous timeouts the callers give)."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env if env is not None else subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:6])} ... did not finish in {timeout:.0f} s:\n{output[-3000:]}")
+    return proc.returncode, output
 
 
 def free_port() -> int:

@@ -44,7 +44,7 @@ def test_printed_config_loads_back(tmp_path):
         (["trian.max_steps=3"], "valid keys at the top level: model, data, train"),
         (["train.max_steps=three"], "expects int"),
         (["ddp.static_graph=maybe"], "expects bool"),
-        (["train.mixed_precision=fp8"], "valid values"),
+        (["train.mixed_precision=fp8"], "allowed: one of 'auto'"),
         (["train.max_steps"], "expects key.sub=value"),
         (["train=3"], "is a section"),
         (["model.preset=sd3"], "unknown preset 'sd3'"),

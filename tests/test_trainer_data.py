@@ -229,6 +229,92 @@ def test_bad_folders_raise_data_error_with_fix(tmp_path: Path, layout: str, expe
         assert "data.caption_column" in message and "caption" in message
 
 
+@pytest.mark.parametrize(
+    ("file_name", "expected"),
+    [
+        ("../outside.png", "contains '..'"),
+        ("sub/../../outside.png", "contains '..'"),
+        ("OUTSIDE_ABSOLUTE", "is an absolute path"),
+        (".link-out.png", "outside the data folder"),
+        (".linked-dir/outside.png", "outside the data folder"),
+        (7, "must be a non-empty string"),
+        (None, "must be a non-empty string"),
+        ("", "must be a non-empty string"),
+        (["a.png"], "must be a non-empty string"),
+    ],
+)
+def test_metadata_file_names_must_stay_inside_the_folder(tmp_path: Path, file_name, expected: str) -> None:
+    outside = write_png(tmp_path / "outside.png")
+    root = tmp_path / "data"
+    write_png(root / "a.png")
+    # Hidden, so the folder walk passes them by: only a metadata row can name them.
+    (root / ".link-out.png").symlink_to(outside)
+    (root / ".linked-dir").symlink_to(tmp_path, target_is_directory=True)
+    (root / "link-in.png").symlink_to(root / "a.png")  # a link that stays inside is fine
+    if file_name == "OUTSIDE_ABSOLUTE":
+        file_name = str(outside)
+    write_jsonl(
+        root / "metadata.jsonl",
+        [{"file_name": "link-in.png", "text": "ok"}, {"file_name": file_name, "text": "x"}],
+    )
+    with pytest.raises(DataError) as err:
+        build_dataset(DataConfig(source=str(root), resolution=8))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert "metadata.jsonl:2" in str(err.value) or "link" in str(err.value)
+
+
+def test_links_inside_the_folder_are_followed(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    write_png(root / "a.png")
+    (root / "link-in.png").symlink_to(root / "a.png")
+    write_jsonl(
+        root / "metadata.jsonl",
+        [{"file_name": "a.png", "text": "a"}, {"file_name": "link-in.png", "text": "b"}],
+    )
+    assert build_dataset(DataConfig(source=str(root), resolution=8)).captions() == ["a", "b"]
+
+
+def test_caption_pairs_refuse_links_out_of_the_folder(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    write_png(elsewhere / "secret.png")
+    (elsewhere / "secret.txt").write_text("a private photo")
+    root = tmp_path / "data"
+    write_png(root / "a.png")
+    (root / "a.txt").write_text("a")
+    (root / "more").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(DataError, match="outside the data folder"):
+        build_dataset(DataConfig(source=str(root), resolution=8))
+    (root / "more").unlink()
+    (root / "b.png").symlink_to(elsewhere / "secret.png")
+    with pytest.raises(DataError, match="b.png leads to"):
+        build_dataset(DataConfig(source=str(root), resolution=8))
+
+
+@pytest.mark.parametrize(
+    ("caption", "expected"),
+    [
+        ("a cat", "a cat"),
+        (["first", "second"], "first"),
+        ("", ""),
+        (3, None),
+        (None, None),
+        ([], None),
+        ([1], None),
+        ({"en": "x"}, None),
+        (True, None),
+    ],
+)
+def test_captions_are_strings_or_lists_of_strings(tmp_path: Path, caption, expected) -> None:
+    root = tmp_path / "data"
+    write_png(root / "a.png")
+    write_jsonl(root / "metadata.jsonl", [{"file_name": "a.png", "text": caption}])
+    if expected is None:
+        with pytest.raises(DataError, match=r"metadata.jsonl:1: text must be a string"):
+            build_dataset(DataConfig(source=str(root), resolution=8))
+    else:
+        assert build_dataset(DataConfig(source=str(root), resolution=8)).captions() == [expected]
+
+
 def _epoch_keys(sampler: ResumableDistributedSampler) -> list[tuple[int, int]]:
     return [(k.index, k.epoch) for k in sampler]
 

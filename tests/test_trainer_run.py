@@ -1,15 +1,18 @@
 """Real 2-rank CPU runs of the trainer (torchrun, gloo) on a small tiny-preset config.
 
 One reference run is checked for a falling loss, identical weights on both ranks, telemetry,
-and an export that StableDiffusionPipeline loads and samples from. A second run is stopped
-with SIGTERM, saves a checkpoint, and is resumed: its per-step losses must equal the
-reference's exactly.
+and an export that StableDiffusionPipeline loads (folder and single file, every tensor equal to
+the trainer's) and samples from. A second run is stopped with SIGTERM, saves a checkpoint, and
+is resumed: its per-step losses must equal the reference's exactly; then its newest checkpoint
+is damaged and `--resume latest` falls back to the previous one, again repeating the losses.
+The reference's checkpoint is refused on another world size or without a rank's files.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, subprocess_env
+from conftest import REPO_ROOT, run_to_end, subprocess_env
+from export_check import PROMPTS
 from sddoctor.telemetry.reader import read_events
-from trainer.checkpoint import list_checkpoints, save_checkpoint
+from trainer.checkpoint import choose_checkpoint, list_checkpoints, load_checkpoint
 
 MAX_STEPS = 20
 
@@ -147,17 +151,118 @@ def test_sigterm_checkpoints_and_resume_repeats_the_losses(reference, cache, tmp
     for rank in (0, 1):
         assert step_losses(out, rank) == step_losses(reference, rank)
 
+    # A damaged newest checkpoint: one line, then the previous one, and still the same losses.
+    newest = out / "checkpoints" / f"step-{MAX_STEPS:08d}"
+    data = bytearray((newest / "state.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (newest / "state.safetensors").write_bytes(bytes(data))
+    for rank in (0, 1):
+        (out / "ranks" / f"rank-{rank:05d}.jsonl").unlink()
+    code, output = finish(launch(out, cache, "--resume", "latest"))
+    assert code == 0, output[-4000:]
+    damaged = [line for line in output.splitlines() if "is damaged" in line]
+    assert len(damaged) == 1 and "state.safetensors does not match its sha256" in damaged[0], output[-3000:]
+    assert f"resumed from {saved[0][1]} at step {stopped_at}" in output
+    for rank in (0, 1):
+        resumed = step_losses(out, rank)
+        assert min(resumed) == stopped_at + 1
+        assert resumed == {s: v for s, v in step_losses(reference, rank).items() if s > stopped_at}
 
-def test_interrupted_save_leaves_the_last_checkpoint_intact(tmp_path):
-    root = tmp_path / "checkpoints"
-    save_checkpoint(root, 5, lambda: {"w": 1}, {"rng": 0}, 0, 1, lambda: None)
 
-    def dies_while_writing() -> dict:
-        raise KeyboardInterrupt  # stands in for a kill in the middle of torch.save
+def run_one_rank(out: Path, cache: Path, *extra: str) -> tuple[int, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--output-dir",
+        str(out),
+        *SMALL,
+        f"data.cache_dir={cache}",
+        *extra,
+    ]
+    return run_to_end(cmd, timeout=240, env=subprocess_env(SDDOCTOR_PREFLIGHT="0"))
 
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(root, 10, dies_while_writing, {"rng": 0}, 0, 1, lambda: None)
-    assert [s for s, _ in list_checkpoints(root)] == [5]
-    assert (root / ".tmp-step-00000010").is_dir()  # the partial one is never taken for a checkpoint
-    save_checkpoint(root, 10, lambda: {"w": 2}, {"rng": 0}, 0, 1, lambda: None, keep=1)
-    assert [s for s, _ in list_checkpoints(root)] == [10]
+
+def test_another_world_size_or_a_missing_rank_file_is_refused_or_resharded(reference, cache, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    code, output = run_one_rank(out, cache, "--resume", "latest")
+    assert code == 2 and "Traceback" not in output, output[-3000:]
+    assert "was saved by 2 ranks and this run has 1" in output and "checkpoint.reshard=true" in output
+
+    code, output = run_one_rank(
+        out, cache, "--resume", "latest", "--set", "checkpoint.reshard=true", "train.max_steps=22"
+    )
+    assert code == 0, output[-3000:]
+    assert "re-sharding" in output and f"resumed from {out / 'checkpoints'}" in output
+    assert sorted(step_losses(out, 0)) == [21, 22]
+
+    out = tmp_path / "missing"
+    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    (out / "checkpoints" / f"step-{MAX_STEPS:08d}" / "rank-00001.safetensors").unlink()
+    code, output = finish(launch(out, cache, "--resume", "latest", "--set", "train.max_steps=22"))
+    assert code != 0, output[-3000:]
+    assert "lacks rank-00001.json/.safetensors" in output and "checkpoint.reshard=true" in output
+    assert f'File "{REPO_ROOT / "trainer"}' not in output  # a refusal, not a crash
+    assert not step_losses(out, 0)
+
+
+def reference_weights(reference: Path) -> dict:
+    """The trainer's final weights from its checkpoint: the EMA UNet (what the export writes), VAE, text encoder."""
+    from trainer.models import build_models
+
+    resume = choose_checkpoint("latest", reference / "checkpoints", 0, 2, False, lambda v: [v, v], print)
+    state, _, _ = load_checkpoint(resume, 0)
+    unet = dict(state["unet"])
+    names = [n for n, p in build_models("tiny").unet.named_parameters() if p.requires_grad]
+    unet.update(zip(names, state["ema"]["shadow"], strict=True))
+    weights = {f"unet/{k}": v for k, v in unet.items()}
+    weights.update({f"vae/{k}": v for k, v in state["vae"].items()})
+    weights.update({f"text_encoder/{k}": v for k, v in state["text_encoder"].items()})
+    return {
+        "weights": {k: v.contiguous() for k, v in weights.items()},
+        "scaling": state["vae_scaling_factor"],
+    }
+
+
+INTERPRETERS = [sys.executable] + list(filter(None, [os.environ.get("SDDOCTOR_HF_OLDEST_PYTHON")]))
+
+
+@pytest.mark.parametrize("python", INTERPRETERS, ids=["installed", "oldest"][: len(INTERPRETERS)])
+def test_export_holds_the_trained_weights_for_every_loader(reference, tmp_path, python):
+    """from_pretrained and from_single_file (configs only, offline) give back every trained tensor."""
+    from safetensors.torch import save_file
+
+    from trainer.models import build_tokenizer
+
+    trained = reference_weights(reference)
+    save_file(trained["weights"], tmp_path / "trained.safetensors")
+    export = reference / "export"
+    assert sorted(p.name for p in (export / "tokenizer").iterdir()) == [
+        "merges.txt",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+    ]
+    result = subprocess.run(
+        [
+            python,
+            str(REPO_ROOT / "tests" / "export_check.py"),
+            str(export),
+            str(tmp_path / "trained.safetensors"),
+            str(export / "tiny.safetensors"),
+        ],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.stdout.strip(), result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["from_pretrained"] == [] and report["from_single_file"] == [], report
+    assert result.returncode == 0
+    assert report["scaling_factor"] == report["single_file_scaling_factor"] == trained["scaling"]
+    tokenizer = build_tokenizer(model_max_length=16)
+    assert report["token_ids"] == [tokenizer(p).input_ids for p in PROMPTS]

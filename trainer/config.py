@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +147,9 @@ class CheckpointConfig:
     """'' | latest | PATH of a checkpoint folder."""
     on_signal: bool = True
     at_end: bool = True
+    reshard: bool = False
+    """Resume a checkpoint saved by another number of ranks (or lacking a rank's file): weights,
+    optimizer, LR schedule and data position carry over, the random streams restart."""
 
 
 @dataclass
@@ -258,8 +264,10 @@ def build_config(
     set_values = dict(parse_override(o) for o in overrides or [])
     # The preset decides the defaults everything else refines, so find it first.
     chosen = set_values.get("model.preset") or preset or file_values.get("model.preset") or "tiny"
-    if chosen not in PRESETS:
-        raise ConfigError(f"unknown preset {chosen!r}; valid presets: {', '.join(PRESETS)}")
+    if not isinstance(chosen, str) or chosen not in PRESETS:
+        raise ConfigError(
+            f"unknown preset {chosen!r} (config key 'model.preset'); valid presets: {', '.join(PRESETS)}"
+        )
     cfg = Config()
     for key, value in PRESETS[chosen].items():
         set_key(cfg, key, value, source=f"preset {chosen}")
@@ -417,42 +425,183 @@ def type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-_CHOICES = {
-    "train.mixed_precision": ("auto", "bf16", "fp16", "fp32"),
-    "optim.fused": ("auto", "true", "false"),
-    "optim.schedule": ("cosine", "constant"),
-    "ddp.backend": ("auto", "nccl", "gloo"),
-    "model.prediction_type": ("", "epsilon", "v_prediction"),
-    "model.unet_dtype": ("fp32", "bf16", "auto"),
-    "model.compile": ("true", "false", "auto"),
-    "model.compile_backend": ("inductor", "aot_eager", "eager"),
-    "model.compile_mode": ("", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-    "optim.state_dtype": ("fp32", "bf16"),
-    "train.ema_dtype": ("fp32", "bf16"),
+@dataclass(frozen=True)
+class Rule:
+    """What a config value may be: `check(value)` says whether it is, `allowed` says it in words."""
+
+    check: Callable[[Any], bool]
+    allowed: str
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(low: int, high: int, multiple: int = 1) -> Rule:
+    words = f"an integer from {low:,} to {high:,}" + (f", a multiple of {multiple}" if multiple > 1 else "")
+    return Rule(
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high and v % multiple == 0,
+        words,
+    )
+
+
+def _float(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False) -> Rule:
+    if math.isinf(high):
+        words = f"a finite number {'>' if low_open else '>='} {low:g}"
+    else:
+        words = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    return Rule(
+        lambda v: (
+            _number(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+        ),
+        words,
+    )
+
+
+def _choice(*options: str) -> Rule:
+    return Rule(lambda v: v in options, "one of " + ", ".join(map(repr, options)))
+
+
+def _text(nonempty: bool = False, what: str = "text") -> Rule:
+    """Free text; never a NUL character (no path or caption can hold one)."""
+    return Rule(
+        lambda v: isinstance(v, str) and "\x00" not in v and (bool(v.strip()) or not nonempty),
+        f"{'non-empty ' if nonempty else ''}{what} without NUL characters",
+    )
+
+
+def _optional(rule: Rule) -> Rule:
+    return Rule(lambda v: v is None or rule.check(v), f"unset (empty) or {rule.allowed}")
+
+
+def _each(rule: Rule, words: str) -> Rule:
+    return Rule(lambda v: isinstance(v, (list, tuple)) and all(rule.check(x) for x in v), words)
+
+
+_BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
+_STEPS = _int(0, 10**9)
+_SEED = _int(0, 2**32 - 1)
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _profile_steps(value: Any) -> bool:
+    try:
+        steps = parse_steps(value)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return steps is None or steps[1] <= 10**9
+
+
+#: Every leaf of the config tree and what it may hold. `validate` checks them all, in this order;
+#: a field missing here is a programming error (tests/test_trainer_config_hostile.py walks the tree).
+RULES: dict[str, Rule] = {
+    "model.preset": _choice(*PRESETS),
+    "model.path": _text(what="'' (the preset) or a folder path"),
+    "model.vae_warmup_steps": _STEPS,
+    "model.vae_warmup_batch": _int(1, 65536),
+    "model.vae_warmup_lr": _float(0, low_open=True),
+    "model.vae_kl_weight": _float(0, 1),
+    "model.prediction_type": _choice("", "epsilon", "v_prediction"),
+    "model.gradient_checkpointing": _BOOL,
+    "model.channels_last": _BOOL,
+    "model.compile": _choice("true", "false", "auto"),
+    "model.compile_backend": _choice("inductor", "aot_eager", "eager"),
+    "model.compile_mode": _choice(
+        "", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    ),
+    "model.unet_dtype": _choice("fp32", "bf16", "auto"),
+    "model.init_on_device": _BOOL,
+    "model.offload_frozen": _BOOL,
+    "data.source": _text(nonempty=True, what="'digits' or a folder path"),
+    "data.resolution": _int(8, 8192, multiple=8),
+    "data.center_crop": _BOOL,
+    "data.random_flip": _BOOL,
+    "data.caption_column": _text(nonempty=True, what="a column name"),
+    "data.image_column": _text(nonempty=True, what="a column name"),
+    "data.max_samples": _optional(_int(1, 10**9)),
+    "data.num_workers": _int(0, 256),
+    "data.cache": _BOOL,
+    "data.cache_dir": _optional(_text(what="a folder path")),
+    "data.verify_images": _BOOL,
+    "train.seed": _SEED,
+    "train.max_steps": _int(1, 10**9),
+    "train.micro_batch": _int(1, 65536),
+    "train.grad_accum": _int(1, 65536),
+    "train.mixed_precision": _choice("auto", "bf16", "fp16", "fp32"),
+    "train.max_grad_norm": _float(0),
+    "train.ema_decay": _float(0, 1, high_open=True),
+    "train.ema_dtype": _choice("fp32", "bf16"),
+    "train.min_snr_gamma": _float(0),
+    "train.noise_offset": _float(0, 1),
+    "train.caption_dropout": _float(0, 1, high_open=True),
+    "train.log_every": _int(1, 10**9),
+    "train.cudnn_benchmark": _BOOL,
+    "train.tf32": _BOOL,
+    "train.memory_saver": _BOOL,
+    "train.oom_guard": _BOOL,
+    "train.oom_fallback_checkpointing": _BOOL,
+    "train.trace_collectives": _BOOL,
+    "train.profile_steps": Rule(
+        _profile_steps, "'' (off) or FIRST-LAST step numbers from 1 to 1,000,000,000, e.g. 11-13"
+    ),
+    "optim.lr": _float(0, low_open=True),
+    "optim.betas": _each(_float(0, 1, high_open=True), "two numbers in [0, 1), e.g. 0.9,0.999"),
+    "optim.weight_decay": _float(0),
+    "optim.eps": _float(0, 1, low_open=True),
+    "optim.fused": _choice("auto", "true", "false"),
+    "optim.state_dtype": _choice("fp32", "bf16"),
+    "optim.master_weights": _BOOL,
+    "optim.schedule": _choice("cosine", "constant"),
+    "optim.warmup_steps": _STEPS,
+    "optim.min_lr_ratio": _float(0, 1),
+    "ddp.backend": _choice("auto", "nccl", "gloo"),
+    "ddp.bucket_cap_mb": _float(0, 10240, low_open=True),
+    "ddp.find_unused_parameters": _BOOL,
+    "ddp.gradient_as_bucket_view": _BOOL,
+    "ddp.static_graph": _BOOL,
+    "ddp.timeout_s": _int(1, 10**7),
+    "checkpoint.every": _STEPS,
+    "checkpoint.keep": _int(0, 10**6),
+    "checkpoint.resume": _text(what="'', 'latest' or a checkpoint folder"),
+    "checkpoint.on_signal": _BOOL,
+    "checkpoint.at_end": _BOOL,
+    "checkpoint.reshard": _BOOL,
+    "sample.every": _STEPS,
+    "sample.at_end": _BOOL,
+    "sample.prompts": _each(_text(), "a list of prompts without NUL characters"),
+    "sample.images_per_prompt": _int(1, 64),
+    "sample.steps": _int(1, 1000),
+    "sample.guidance_scale": _float(0, 100),
+    "sample.seed": _SEED,
+    "output.name": Rule(
+        lambda v: isinstance(v, str) and (v == "" or _RUN_NAME.fullmatch(v) is not None),
+        "'' (the preset's name) or up to 100 letters, digits, '.', '_' or '-', not starting with '.' or '-'",
+    ),
+    "output.dir": _text(what="'' (./runs/NAME) or a folder path"),
+    "output.export": _BOOL,
 }
 
-_POSITIVE = ("train.max_steps", "train.micro_batch", "train.grad_accum", "train.log_every", "sample.steps")
+
+def leaf_keys(node: Any = None, prefix: str = "") -> list[str]:
+    """Dotted names of every leaf of the config tree (the keys --set takes)."""
+    node = Config() if node is None else node
+    keys = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(leaf_keys(value, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
 
 
 def validate(cfg: Config) -> None:
-    """Checks across values that types alone cannot express."""
-    for key, choices in _CHOICES.items():
+    """Check every value against RULES: ConfigError names the key, the value and what is allowed."""
+    for key, rule in RULES.items():
         value = get_key(cfg, key)
-        if value not in choices:
-            raise ConfigError(
-                f"config key {key!r} is {value!r}; valid values: {', '.join(map(repr, choices))}"
-            )
-    for key in _POSITIVE:
-        if get_key(cfg, key) < 1:
-            raise ConfigError(f"config key {key!r} must be at least 1, got {get_key(cfg, key)}")
-    if not 0.0 <= cfg.train.caption_dropout < 1.0:
-        raise ConfigError("config key 'train.caption_dropout' must be in [0, 1)")
-    if not 0.0 <= cfg.train.ema_decay < 1.0:
-        raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
-    try:
-        parse_steps(cfg.train.profile_steps)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        if not rule.check(value):
+            shown = list(value) if isinstance(value, tuple) else value
+            raise ConfigError(f"config key {key!r} is {shown!r}; allowed: {rule.allowed}")
 
 
 def get_key(cfg: Config, key: str) -> Any:

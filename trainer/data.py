@@ -35,7 +35,7 @@ import random
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -370,22 +370,104 @@ def _is_image(path: Path) -> bool:
     return path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file()
 
 
-def _walk(root: Path) -> list[Path]:
-    """All files under root, sorted, skipping hidden files and folders."""
+class _Containment:
+    """Whether paths resolve (symbolic links followed) inside the data folder.
+
+    Folder real paths are cached, so a file costs one lstat unless it is itself a link.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.real_root = os.path.realpath(root)
+        self._folders: dict[str, str] = {}
+
+    def real(self, path: Path) -> str:
+        if os.path.islink(path):
+            return os.path.realpath(path)
+        parent = str(path.parent)
+        if parent not in self._folders:
+            self._folders[parent] = os.path.realpath(parent)
+        return os.path.join(self._folders[parent], path.name)
+
+    def escape(self, path: Path) -> str | None:
+        """None when `path` stays inside the folder, else the outside place it leads to."""
+        real = self.real(path)
+        inside = real == self.real_root or real.startswith(self.real_root.rstrip(os.sep) + os.sep)
+        return None if inside else real
+
+    def refuse(self, path: Path, target: str) -> DataError:
+        return DataError(
+            f"{path} leads to {target}, outside the data folder {self.root} (a symbolic link); the trainer "
+            "reads only files inside data.source: copy the file into the folder, or point data.source at a "
+            "folder that holds it"
+        )
+
+
+def _walk(root: Path, containment: _Containment) -> list[Path]:
+    """All files under root, sorted, skipping hidden files and folders; DataError on a link out of root."""
     found: list[Path] = []
     seen: set[tuple[int, int]] = set()  # (device, inode) of folders walked: symlink loops end
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        st = os.stat(dirpath)
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        st = os.stat(folder)
         if (st.st_dev, st.st_ino) in seen:
-            dirnames[:] = []
             continue
         seen.add((st.st_dev, st.st_ino))
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                path = Path(entry.path)
+                if entry.is_symlink() and (target := containment.escape(path)) is not None:
+                    raise containment.refuse(path, target)
+                if entry.is_dir():
+                    stack.append(path)
+                else:  # files, and broken links (reported later as unreadable images)
+                    found.append(path)
     return sorted(found)
 
 
-def _read_metadata(path: Path, image_column: str, caption_column: str) -> list[Record]:
+def _metadata_image(meta: Path, lineno: int, value: Any, column: str, containment: _Containment) -> Path:
+    """The image a metadata row names: a relative path that stays inside the data folder."""
+    where = f"{meta}:{lineno}"
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise DataError(
+            f"{where}: {column} must be a non-empty string, the image path relative to {meta.parent}; got {value!r}"
+        )
+    relative = Path(value)
+    if relative.is_absolute() or PureWindowsPath(value).anchor:
+        raise DataError(
+            f"{where}: {column} {value!r} is an absolute path; give the path relative to {meta.parent} "
+            "(images must lie inside the data folder)"
+        )
+    if ".." in relative.parts:
+        raise DataError(
+            f"{where}: {column} {value!r} contains '..'; images must lie inside the data folder: give a path "
+            f"below {meta.parent}"
+        )
+    path = meta.parent / relative
+    target = containment.escape(path)
+    if target is not None:
+        raise containment.refuse(path, target)
+    return path
+
+
+def _metadata_caption(meta: Path, lineno: int, value: Any, column: str) -> str:
+    """A caption is a string, or a non-empty list of strings (the first is used)."""
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        value = value[0]
+    if not isinstance(value, str):
+        raise DataError(
+            f"{meta}:{lineno}: {column} must be a string (or a list of strings, of which the first is used); "
+            f'got {value!r}; write "" for an image without a caption'
+        )
+    return value
+
+
+def _read_metadata(
+    path: Path, image_column: str, caption_column: str, containment: _Containment
+) -> list[Record]:
     rows: list[tuple[int, dict[str, Any]]] = []
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8-sig") as f:
@@ -410,15 +492,13 @@ def _read_metadata(path: Path, image_column: str, caption_column: str) -> list[R
     for lineno, row in rows:
         for column, option in ((image_column, "image_column"), (caption_column, "caption_column")):
             if column not in row:
-                present = ", ".join(sorted(row)) or "none"
+                present = ", ".join(sorted(map(str, row))) or "none"
                 raise DataError(
                     f"{path}:{lineno}: no column {column!r} (columns present: {present}); add it to every row "
                     f"or choose another column with --set data.{option}=NAME"
                 )
-        caption = row[caption_column]
-        if isinstance(caption, list):  # several captions per image: take the first
-            caption = caption[0] if caption else ""
-        records.append(Record(path.parent / str(row[image_column]), "" if caption is None else str(caption)))
+        image = _metadata_image(path, lineno, row[image_column], image_column, containment)
+        records.append(Record(image, _metadata_caption(path, lineno, row[caption_column], caption_column)))
     return records
 
 
@@ -487,14 +567,15 @@ def index_folder(cfg: DataConfig) -> tuple[list[Record], str, list[SkippedFile]]
         raise DataError(
             f"data source {root} is not a folder; point data.source at the folder that holds the images"
         )
-    files = _walk(root)
+    containment = _Containment(root)
+    files = _walk(root, containment)
     metadata = [p for p in files if p.name in METADATA_NAMES]
     skipped: list[SkippedFile] = []
     if metadata:
         kind = "imagefolder"
         records = []
         for meta in metadata:
-            records.extend(_read_metadata(meta, cfg.image_column, cfg.caption_column))
+            records.extend(_read_metadata(meta, cfg.image_column, cfg.caption_column, containment))
         if not records:
             raise DataError(
                 f"{', '.join(map(str, metadata))} list no images; add one row per image like "

@@ -1,30 +1,52 @@
-"""Export of the trained model as a diffusers folder.
+"""Export of the trained model: a diffusers folder and a single-file checkpoint.
 
-The folder holds unet/, vae/, text_encoder/, tokenizer/, scheduler/ and model_index.json, so
-both `StableDiffusionPipeline.from_pretrained(folder)` and `python -m trainer --model folder`
-load it. With EMA on, the UNet written is the EMA one.
+    export/
+      model_index.json, unet/, vae/, scheduler/      diffusers' save_pretrained
+      text_encoder/                                  config.json + model.safetensors with transformers
+                                                     4.x key names (`text_model.` prefix), which 5.x reads too
+      tokenizer/                                     tokenizer.json and the files of the slow tokenizer
+                                                     (vocab.json, merges.txt, special_tokens_map.json)
+      NAME.safetensors                               the whole pipeline in the original single-file layout
+
+`StableDiffusionPipeline.from_pretrained(folder)` and `python -m trainer --model folder` load the
+folder; `StableDiffusionPipeline.from_single_file(folder / "NAME.safetensors", config=str(folder),
+local_files_only=True)` loads the single file with the folder's configs, nothing fetched. With
+EMA on, the UNet written is the EMA one. Everything is written to a temporary folder first and
+renamed into place.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from trainer.ldm_layout import single_file_state, text_encoder_keys
 from trainer.models import Models
 from trainer.optim import EMA
+from trainer.safe_state import write_safetensors
 from trainer.sample import build_pipeline, ema_weights
 
 
-def export_pipeline(models: Models, unet: torch.nn.Module, out_dir: Path, ema: EMA | None = None) -> Path:
-    """Write the diffusers folder atomically (temporary folder, then rename). Returns its path."""
+def export_pipeline(
+    models: Models, unet: torch.nn.Module, out_dir: Path, ema: EMA | None = None, single_file: str = "model"
+) -> Path:
+    """Write the diffusers folder (and `single_file`.safetensors in it) atomically. Returns its path."""
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with ema_weights(unet, ema):
         pipe = build_pipeline(models, unet)
         pipe.save_pretrained(tmp, safe_serialization=True)
+        _write_text_encoder(tmp / "text_encoder", models.text_encoder)
+        _complete_tokenizer(tmp / "tokenizer", models.tokenizer)
+        # Device tensors go to the host one at a time as they are written.
+        weights = single_file_state(
+            unet.state_dict(), models.vae.state_dict(), models.text_encoder.state_dict()
+        )
+        write_safetensors(tmp / f"{single_file}.safetensors", weights, {"format": "pt"})
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.rename(out_dir, old)
@@ -33,3 +55,27 @@ def export_pipeline(models: Models, unet: torch.nn.Module, out_dir: Path, ema: E
     else:
         os.rename(tmp, out_dir)
     return out_dir
+
+
+def _write_text_encoder(folder: Path, text_encoder: torch.nn.Module) -> None:
+    """Replace save_pretrained's weights with the key names every transformers version reads."""
+    for stale in folder.glob("model*.safetensors*"):  # also a sharded save's index
+        stale.unlink()
+    state = {k: v.detach().contiguous() for k, v in text_encoder.state_dict().items()}
+    write_safetensors(folder / "model.safetensors", text_encoder_keys(state), {"format": "pt"})
+
+
+def _complete_tokenizer(folder: Path, tokenizer: object) -> None:
+    """Add the slow CLIP tokenizer's files (transformers 4.x reads only these) from tokenizer.json."""
+    fast = folder / "tokenizer.json"
+    if fast.is_file() and not (folder / "vocab.json").is_file():
+        model = json.loads(fast.read_text(encoding="utf-8"))["model"]
+        (folder / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False), encoding="utf-8")
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    special = {
+        name: str(getattr(tokenizer, name))
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if getattr(tokenizer, name, None) is not None
+    }
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2), encoding="utf-8")

@@ -143,7 +143,7 @@ _WORDS = (
 
 
 class ModelLoadError(ValueError):
-    """A model folder that is missing or incomplete. Exit code 2."""
+    """A model folder that is missing or incomplete, or settings the model cannot run with. Exit code 2."""
 
 
 @dataclass
@@ -291,6 +291,27 @@ def load_models(path: str) -> Models:
         )
     except (OSError, ValueError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot load the model folder {path}: {exc}") from None
+
+
+def vae_scale_factor(vae: torch.nn.Module) -> int:
+    """Pixels per latent along each side (8 for Stable Diffusion's VAE, 4 for the tiny preset's)."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def check_model_fits(models: Models, resolution: int, sample_steps: int) -> None:
+    """ModelLoadError when the resolution or the sampling steps do not suit these models."""
+    factor = vae_scale_factor(models.vae)
+    if resolution % factor:
+        raise ModelLoadError(
+            f"data.resolution={resolution} is not a multiple of {factor}, the downsampling factor of the VAE "
+            f"of {models.source}; use a multiple of {factor}"
+        )
+    timesteps = int(models.noise_scheduler.config.num_train_timesteps)
+    if sample_steps > timesteps:
+        raise ModelLoadError(
+            f"sample.steps={sample_steps} is more than the {timesteps} timesteps the noise schedule of "
+            f"{models.source} has; use at most {timesteps}"
+        )
 
 
 def count_parameters(module: torch.nn.Module) -> int:

@@ -39,8 +39,10 @@ from sddoctor.telemetry.schema import EventKind
 from trainer.cache import build_cache
 from trainer.checkpoint import (
     CheckpointError,
+    choose_checkpoint,
+    find_latest,
+    fresh_rng_state,
     load_checkpoint,
-    resolve_resume,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -49,7 +51,8 @@ from trainer.config import Config, ConfigError, build_config, to_dict, to_toml
 from trainer.data import DataError, ResumableDistributedSampler, build_dataloader, build_dataset
 from trainer.export import export_pipeline
 from trainer.memory import CastInputs, MixedPrecisionAdamW
-from trainer.models import ModelLoadError, build_models, count_parameters
+from trainer.models import ModelLoadError, build_models, check_model_fits, count_parameters
+from trainer.nonfinite import NonFiniteError, NonFiniteWatch
 from trainer.objective import DiffusionObjective
 from trainer.optim import EMA, build_lr_scheduler, build_optimizer
 from trainer.progress import ProgressLine, StepReporter, memory_bytes
@@ -61,6 +64,7 @@ from trainer.vae_fit import fit_vae
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
 
 HELP_EPILOG = """\
 examples:
@@ -82,8 +86,10 @@ exit codes:
   0    finished
   1    training failed (exception; traceback printed, `exception` event written), or out of
        memory even at micro-batch 1 (the OOM guard's message names the memory and what to try)
-  2    bad input: unknown preset or config key, wrong value type, bad TOML, missing model
-       folder or data folder, unusable --resume target
+  2    bad input: unknown preset or config key, a value outside what the key allows, bad
+       TOML, missing model or data folder, unusable data, a --resume target that is damaged,
+       in the earlier pickle format, or from another number of ranks
+  3    training diverged: the loss or gradient became NaN/inf; nothing was saved after it
   130  stopped by SIGINT, 143 by SIGTERM (after saving a checkpoint)
 """
 
@@ -292,6 +298,11 @@ class Trainer:
         if self.dist.rank == 0:
             print(message, flush=True)
 
+    def warn_damaged_checkpoint(self, message: str) -> None:
+        """One line on rank 0 and a `warning` event on every rank."""
+        self.log(f"warning: {message}")
+        sdi.event(EventKind.WARNING, code="checkpoint_damaged", message=message)
+
     def run(self) -> int:
         cfg = self.cfg
         preflight_warnings()
@@ -327,11 +338,12 @@ class Trainer:
             print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
             sdi.event(EventKind.WARNING, code="bad_input", message=str(exc))
             code = EXIT_BAD_INPUT
-        except OOMGuardError as exc:
-            # Raised on every rank alike: the guard's message is the diagnosis, a traceback adds nothing.
-            print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
+        except (OOMGuardError, NonFiniteError) as exc:
+            # Raised on every rank alike: the message is the diagnosis, a traceback adds nothing.
+            if self.dist.rank == 0 or isinstance(exc, OOMGuardError):
+                print(f"trainer: error: {exc}", file=sys.stderr, flush=True)
             sdi.event(EventKind.EXCEPTION, type=type(exc).__name__, message=str(exc))
-            code = EXIT_FAILED
+            code = EXIT_DIVERGED if isinstance(exc, NonFiniteError) else EXIT_FAILED
         except Exception as exc:
             tb = traceback.extract_tb(exc.__traceback__)
             sdi.event(
@@ -346,7 +358,7 @@ class Trainer:
         finally:
             sdi.disable(status=status, code=code)
             if dist.is_initialized():
-                if code in (EXIT_OK, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                if code in (EXIT_OK, EXIT_DIVERGED, 128 + signal.SIGINT, 128 + signal.SIGTERM):
                     # The DDP model, the OOM guard's hooks and control group and their pending works
                     # form reference cycles that outlive train(); left to the interpreter's final
                     # teardown, a gloo group's worker threads can then release Python objects after
@@ -370,13 +382,28 @@ class Trainer:
 
         # Bad input (data folder, --resume target) fails here, before any model is built.
         ckpt_root = self.out_dir / "checkpoints"
-        resume_path = resolve_resume(cfg.checkpoint.resume, ckpt_root)
+        resume = choose_checkpoint(
+            cfg.checkpoint.resume,
+            ckpt_root,
+            d.rank,
+            d.world_size,
+            cfg.checkpoint.reshard,
+            _gather,
+            self.warn_damaged_checkpoint,
+        )
         dataset = build_dataset(cfg.data, seed=cfg.train.seed, verbose=d.rank == 0)
         if dataset.skipped:
             sdi.event(
                 EventKind.WARNING, code="skipped_images", message=f"{len(dataset.skipped)} images skipped"
             )
         self.log(f"data {cfg.data.source}: {len(dataset)} images at {cfg.data.resolution} px")
+        batch_per_step = cfg.train.micro_batch * cfg.train.grad_accum
+        if len(dataset) // d.world_size < batch_per_step:  # the sampler drops the remainder of the split
+            raise BadInput(
+                f"each rank gets {len(dataset) // d.world_size} images per epoch ({len(dataset)} over "
+                f"{d.world_size} ranks), fewer than one step's {batch_per_step} (train.micro_batch x "
+                "train.grad_accum); lower train.micro_batch or add data"
+            )
 
         # Model init must be identical on every rank (the frozen parts are never broadcast).
         torch.manual_seed(cfg.train.seed)
@@ -388,6 +415,7 @@ class Trainer:
         if on_device:  # the noise schedule's tables belong on the host, as after a normal build
             models.noise_scheduler = type(models.noise_scheduler).from_config(models.noise_scheduler.config)
         unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
+        check_model_fits(models, cfg.data.resolution, cfg.sample.steps)
         self.log(
             f"model {models.source}: unet {count_parameters(unet):,} | vae {count_parameters(vae):,} | "
             f"text encoder {count_parameters(text_encoder):,} params | {d.world_size} rank(s), {d.backend}, "
@@ -410,20 +438,21 @@ class Trainer:
 
         shared: dict[str, Any] | None = None
         rank_state: dict[str, Any] | None = None
-        if cfg.checkpoint.resume == "latest" and resume_path is None:
+        if cfg.checkpoint.resume == "latest" and resume is None:
             self.log(f"no checkpoint under {ckpt_root}: starting from scratch")
-        if resume_path is not None:
-            shared, rank_state, meta = load_checkpoint(resume_path, d.rank)
-            if meta["world_size"] != d.world_size:
+        if resume is not None:
+            shared, rank_state, _ = load_checkpoint(resume, d.rank)
+            if not resume.per_rank:
                 self.log(
-                    f"checkpoint was taken with {meta['world_size']} ranks, now {d.world_size}: weights and "
-                    "optimizer resume, the data order continues from the samples consumed so far"
+                    f"re-sharding {resume.path} (saved by {resume.world_size} ranks) onto {d.world_size}: weights, "
+                    "optimizer and data position resume, the random streams restart (checkpoint.reshard)"
                 )
-            if "vae" in shared:
-                vae.load_state_dict(shared["vae"])
-                vae.register_to_config(scaling_factor=shared["vae_scaling_factor"])
-            if "text_encoder" in shared:
-                text_encoder.load_state_dict(shared["text_encoder"])
+            with _checkpoint_must_fit(resume.path):
+                if "vae" in shared:
+                    vae.load_state_dict(shared["vae"])
+                    vae.register_to_config(scaling_factor=float(shared["vae_scaling_factor"]))
+                if "text_encoder" in shared:
+                    text_encoder.load_state_dict(shared["text_encoder"])
 
         def wrap(module: torch.nn.Module) -> torch.nn.Module:
             """The DDP wrapper (a factory, so the OOM guard can build a fresh one after a failure)."""
@@ -473,15 +502,9 @@ class Trainer:
                 batch_size=max(cfg.train.micro_batch, 16),
             )
             self.log(f"latent cache {'hit' if dataset.stats.hit else 'built'}: {dataset.stats.path}")
-        batch_per_step = cfg.train.micro_batch * cfg.train.grad_accum
         sampler = ResumableDistributedSampler(
             dataset, d.world_size, d.rank, shuffle=True, seed=cfg.train.seed
         )
-        if sampler.num_samples < batch_per_step:
-            raise BadInput(
-                f"each rank gets {sampler.num_samples} images per epoch, fewer than one step's "
-                f"{batch_per_step} (micro_batch x grad_accum); lower train.micro_batch or add data"
-            )
         loader = build_dataloader(
             dataset,
             sampler,
@@ -524,19 +547,25 @@ class Trainer:
         generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + d.rank)
         step = 0
         if shared is not None:
-            unet.load_state_dict(shared["unet"])
-            optimizer.load_state_dict(shared["optimizer"])
-            lr_scheduler.load_state_dict(shared["lr_scheduler"])
-            if ema is not None and shared.get("ema") is not None:
-                ema.load_state_dict(shared["ema"])
-            if scaler is not None and shared.get("scaler") is not None:
-                scaler.load_state_dict(shared["scaler"])
-            step = int(shared["step"])
-            sampler.load_state_dict(shared["samplers"][0] if rank_state is None else rank_state["sampler"])
+            assert resume is not None
+            with _checkpoint_must_fit(resume.path):
+                unet.load_state_dict(shared["unet"])
+                optimizer.load_state_dict(shared["optimizer"])
+                lr_scheduler.load_state_dict(shared["lr_scheduler"])
+                if ema is not None and shared.get("ema") is not None:
+                    ema.load_state_dict(shared["ema"])
+                if scaler is not None and shared.get("scaler") is not None:
+                    scaler.load_state_dict(shared["scaler"])
+                step = int(shared["step"])
+                sampler.load_state_dict(
+                    shared["samplers"][0] if rank_state is None else rank_state["sampler"]
+                )
             if rank_state is not None:
                 set_rng_state(rank_state["rng"], generator)
-            self.log(f"resumed from {resume_path} at step {step}")
-            sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume_path), action="resume")
+            else:
+                fresh_rng_state(cfg.train.seed, step, d.rank, generator)
+            self.log(f"resumed from {resume.path} at step {step}")
+            sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume.path), action="resume")
 
         guard_state = (shared or {}).get("oom_guard")
         # Gradient checkpointing that an earlier run's guard turned on stays on after a resume.
@@ -594,6 +623,26 @@ class Trainer:
         # when the OOM guard repairs a rank's failed optimizer step at the next step's agreement, it
         # copies the scheduler from a healthy rank first, and the step then runs at that rate.
         used_lr = [lr_scheduler.get_last_lr()[0]]
+        watch = NonFiniteWatch(device, d.rank, d.world_size)
+
+        def check_finite(reduced: list[float] | None = None) -> None:
+            """Every rank: stop (NonFiniteError, exit 3) if a loss or gradient was NaN/inf since the start.
+
+            `reduced`: the watch's numbers already MAX-reduced with the stop flag (no collective here).
+            """
+            watch.check(reduced, "training", divergence_advice)
+
+        def divergence_advice() -> str:
+            lower = f"a lower optim.lr (now {cfg.optim.lr:g})" + (
+                "" if cfg.train.max_grad_norm > 0 else " and train.max_grad_norm=1"
+            )
+            latest = find_latest(ckpt_root)
+            start = (
+                f"Resume the newest checkpoint ({latest}, from before it) with --resume latest and {lower}"
+                if latest is not None
+                else f"No checkpoint was saved before it: start again with {lower}"
+            )
+            return f"{start}, or look for bad data in the steps before"
 
         def optimizer_step() -> None:
             """Unscale, clip, step, schedule, EMA, zero_grad."""
@@ -602,7 +651,11 @@ class Trainer:
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if cfg.train.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm, foreach=True)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm, foreach=True)
+            else:
+                grad_norm = gradient_norm(params)
+            if scaler is None:  # the fp16 loss scaler skips steps with overflowing gradients itself
+                watch.observe(step + 1, grad_norm=grad_norm)
             if scaler is not None:
                 try:
                     scaler.step(optimizer)
@@ -640,6 +693,7 @@ class Trainer:
 
         def save(reason: str) -> None:
             settle()
+            check_finite()
             t0 = time.time()
             path = save_checkpoint(
                 ckpt_root,
@@ -659,6 +713,7 @@ class Trainer:
             if not cfg.sample.prompts:
                 return
             settle()
+            check_finite()
             if d.rank == 0:
                 t0 = time.time()
                 if offloaded:
@@ -741,6 +796,7 @@ class Trainer:
             sampler.advance(samples_in_step)
             lr = used_lr[0]
             step += 1
+            watch.observe(step, loss=result.loss)
             now = time.perf_counter()
             step_time, last_end = now - last_end, now
             loss_window += result.loss
@@ -767,11 +823,14 @@ class Trainer:
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 reporter.flush()
                 mean = loss_window / window_steps
-                flag = torch.tensor(float(stop.signum), device=device)
+                # The stop flag and the non-finite watch share one all-reduce (MAX).
+                flag = torch.cat([torch.full((1,), float(stop.signum), device=device), watch.for_max()])
                 dist.all_reduce(mean)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 mean_loss = mean.item() / d.world_size
-                signalled = int(flag.item())
+                flags = flag.tolist()
+                signalled = int(flags[0])
+                check_finite(flags[1:])
                 first_loss = mean_loss if first_loss is None else first_loss
                 if d.rank == 0:
                     progress.show(step, mean_loss, images_per_step, lr)
@@ -797,8 +856,10 @@ class Trainer:
             samples()
         if cfg.output.export:
             settle()
+            check_finite()
             if d.rank == 0:
-                path = export_pipeline(models, unet, self.out_dir / "export", ema)
+                name = cfg.output.name or cfg.model.preset
+                path = export_pipeline(models, unet, self.out_dir / "export", ema, single_file=name)
                 self.log(f"exported diffusers folder {path}")
             _barrier()
         self.log(f"done: {step} steps in {time.time() - start_time:.1f}s")
@@ -884,6 +945,36 @@ def params_digest(module: torch.nn.Module) -> str:
         ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
         sums.append(torch.stack([flat.sum(), (flat * ramp).sum()]))
     return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()
+
+
+def gradient_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients, on the device (what clip_grad_norm_ computes, without clipping)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=params[0].device if params else None)
+    return torch.linalg.vector_norm(torch.stack([g.float() for g in torch._foreach_norm(grads)]))
+
+
+@contextlib.contextmanager
+def _checkpoint_must_fit(path: Path) -> Any:
+    """A checkpoint of another model or configuration is bad input (exit 2), not a crash."""
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no detail"
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this run ({type(exc).__name__}: {detail[:300]}); resume it "
+            "with the preset, model and optimizer settings it was saved with"
+        ) from None
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's `obj` (a collective); [obj] in a one-rank run."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def _barrier() -> None:

@@ -10,6 +10,7 @@ VAE. Every rank ends with identical weights (DDP) and the same scaling factor (b
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.data import ResumableDistributedSampler, build_dataloader
+from trainer.models import vae_scale_factor
+from trainer.nonfinite import NonFiniteError, NonFiniteWatch
 
 
 def fit_vae(
@@ -34,13 +37,27 @@ def fit_vae(
     seed: int,
     log: Callable[[str], None],
 ) -> float:
-    """Train `vae` in place for `steps` steps; returns the final reconstruction loss (all-rank mean)."""
+    """Train `vae` in place for `steps` steps; returns the final reconstruction loss (all-rank mean).
+
+    A batch larger than a rank's share of the data shrinks to that share (every rank alike: the
+    shares are equal), so each epoch yields at least one step. NonFiniteError (on every rank) if
+    the reconstruction loss stops being finite.
+    """
     vae.train()
     vae.requires_grad_(True)
     model = wrap(_Reconstruction(vae))
     optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     sampler = ResumableDistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed + 7919)
+    if batch_size > sampler.num_samples:
+        log(
+            f"vae fit: batch {batch_size} is more than the {sampler.num_samples} images per rank; "
+            f"using {sampler.num_samples} (model.vae_warmup_batch)"
+        )
+        batch_size = sampler.num_samples
     loader = build_dataloader(dataset, sampler, batch_size, num_workers=0, seed=seed + 7919)
+    if len(loader) == 0:  # cannot happen after the clamp; an endless loop must never be the result
+        raise RuntimeError(f"vae fit: no batch of {batch_size} in {sampler.num_samples} images per rank")
+    watch = NonFiniteWatch(device, rank, world_size)
     generator = torch.Generator(device=device).manual_seed(seed * 1009 + rank)
     start = time.time()
     step, epoch = 0, 0
@@ -54,6 +71,7 @@ def fit_vae(
             loss = F.mse_loss(reconstruction.float(), pixels.float())
             # The KL term keeps latents near N(0, 1) so the diffusion model sees a well-scaled space.
             (loss + kl_weight * kl).backward()
+            watch.observe(step + 1, loss=loss + kl_weight * kl)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             recent = 0.9 * recent + 0.1 * loss.detach() if step else loss.detach()
@@ -65,11 +83,21 @@ def fit_vae(
         epoch += 1
     vae.eval()
     vae.requires_grad_(False)
+    watch.check(
+        None,
+        "the VAE fit",
+        f"Lower model.vae_warmup_lr (now {lr:g}) or model.vae_kl_weight (now {kl_weight:g})",
+    )
     if world_size > 1:
         dist.all_reduce(recent)
         recent /= world_size
         _broadcast_weights(vae, rank, log)
     _set_scaling_factor(vae, dataset, device, batch_size)
+    if not math.isfinite(vae.config.scaling_factor) or vae.config.scaling_factor <= 0:
+        raise NonFiniteError(
+            f"the VAE fit diverged: its latents are not finite numbers (scaling factor "
+            f"{vae.config.scaling_factor}); stopped without saving. Lower model.vae_warmup_lr (now {lr:g})"
+        )
     return float(recent)
 
 
@@ -91,7 +119,7 @@ def latent_shape(
     vae: torch.nn.Module, pixel_shape: torch.Size | tuple[int, ...]
 ) -> tuple[int, int, int, int]:
     """Shape of the latents `vae` makes of images of `pixel_shape` (B, 3, H, W)."""
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    factor = vae_scale_factor(vae)
     b, _, h, w = pixel_shape
     return (b, vae.config.latent_channels, h // factor, w // factor)
 
