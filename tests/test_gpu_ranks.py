@@ -286,3 +286,26 @@ def test_unreachable_endpoint_is_an_error_line_and_others_still_show(endpoint):
     report = MultiFeed([HttpFeed(dead, timeout=1.0), HttpFeed(endpoint)]).poll()
     assert len(report.errors) == 1 and dead in report.errors[0]
     assert [r.rank for r in report.ranks] == [2, 3]
+
+
+def test_a_rank_that_issues_collectives_without_steps_is_running_never_starting():
+    """An unchanged program without DDP reports no step; its collectives say it is at work."""
+    rates = RateTracker()
+    for k in range(5):  # one snapshot a second, 40 collectives a second
+        state = {"t": NOW - 4 + k, "heartbeat": NOW - 4 + k, "collectives": {
+            "issued": {"0": 40 * (k + 1)}, "totals": {"count": 40 * (k + 1)},
+            "last_done": {"op": "all_reduce", "seq": 40 * (k + 1), "duration": 0.002}}}  # fmt: skip
+        status = derive(RankInputs(rank=0, node="n", state=state), rates, [], NOW - 4 + k)
+    assert status.state == "running"
+    assert "all_reduce #200" in status.state_text and "40.0 collectives/s" in status.state_text
+
+
+def test_a_rank_with_neither_step_nor_collective_after_the_allowance_is_stuck_at_start():
+    inputs = RankInputs(rank=1, node="n", state={"t": NOW, "heartbeat": NOW, "waiting": {"what": "init_process_group"}},
+                        start={"t": NOW - 30})  # fmt: skip
+    assert derive(inputs, RateTracker(), [], NOW, startup_allowance=60).state == "starting"
+    stuck = derive(inputs, RateTracker(), [], NOW, startup_allowance=20)
+    assert stuck.state == "stuck" and "waiting in init_process_group" in stuck.state_text
+    # no start event of its own: the run's start counts
+    bare = RankInputs(rank=1, node="n", state={"t": NOW, "heartbeat": NOW})
+    assert derive(bare, RateTracker(), [], NOW, startup_allowance=20, run_started=NOW - 30).state == "stuck"

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from sddoctor.gpu.ranks import RankInputs, RankStatus, RateTracker, derive
+from sddoctor.gpu.ranks import STARTUP_ALLOWANCE, RankInputs, RankStatus, RateTracker, derive
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state, registry
 
 HTTP_TIMEOUT = 2.0
@@ -107,7 +107,7 @@ class RunDirFeed:
             inputs.pid_alive = None
             if self.pid_alive is not None and host == self.hostname and isinstance(pid, int):
                 inputs.pid_alive = self.pid_alive(pid)
-            report.ranks.append(derive(inputs, rates, verdicts, now))
+            report.ranks.append(derive(inputs, rates, verdicts, now, *_startup(self.run_dir.run_info())))
         return report
 
     def _read_verdicts(self) -> list[dict[str, Any]]:
@@ -185,8 +185,20 @@ class HttpFeed:
                 if isinstance(state.get(kind), dict):
                     setattr(inputs, kind, state[kind])
             rates = self._rates.setdefault(rank, RateTracker())
-            report.ranks.append(derive(inputs, rates, verdicts, now))
+            run = payload.get("run") if isinstance(payload.get("run"), dict) else {}
+            report.ranks.append(derive(inputs, rates, verdicts, now, *_startup(run)))
         return report
+
+
+def _startup(run: dict[str, Any]) -> tuple[float, float | None]:
+    """(start-up allowance, start time) of a run from its run.json record."""
+    options = run.get("options") if isinstance(run.get("options"), dict) else {}
+    allowance = options.get("startup_timeout")
+    started = run.get("started")
+    return (
+        float(allowance) if isinstance(allowance, (int, float)) and allowance > 0 else STARTUP_ALLOWANCE,
+        float(started) if isinstance(started, (int, float)) else None,
+    )
 
 
 class MultiFeed:

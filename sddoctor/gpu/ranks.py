@@ -11,7 +11,11 @@ docs/telemetry.md, and a few of its events) and the verdicts of `sddoctor run`; 
   oom-fallback  recovered from an OOM by a smaller micro-batch in the last `FALLBACK_SHOWN_FOR` s
   crashed       exited with an error or a signal, or its process is gone without an exit record
   exited        exited normally
-  starting      no step finished yet
+  running       no step reported, but collectives are issued (an unchanged program without DDP):
+                its last collective and how many it issues a second
+  stuck         no step and no collective `STARTUP_ALLOWANCE` s after the rank started (the
+                allowance of `sddoctor run --startup-timeout`); its stack once sddoctor took it
+  starting      no step finished and no collective issued yet, within the allowance
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ HUNG_AFTER = 120.0
 SILENT_AFTER = 30.0
 FALLBACK_SHOWN_FOR = 60.0
 RATE_WINDOW = 30.0
+#: seconds a rank may spend starting (imports, model loading, rendezvous): `sddoctor run`'s default
+STARTUP_ALLOWANCE = 900.0
 
 
 @dataclass
@@ -81,6 +87,19 @@ class RateTracker:
 
     def __init__(self) -> None:
         self._points: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=512)
+        self._collectives: collections.deque[tuple[float, float]] = collections.deque(maxlen=512)
+
+    def add_collectives(self, t: float | None, count: float | None) -> None:
+        """The rank's cumulative count of completed collectives at snapshot time `t`."""
+        if t is None or count is None or (self._collectives and t <= self._collectives[-1][0]):
+            return
+        self._collectives.append((float(t), float(count)))
+
+    def collectives_per_s(self) -> float | None:
+        pts = [p for p in self._collectives if p[0] >= self._collectives[-1][0] - RATE_WINDOW]
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+            return None
+        return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
 
     def add(self, t: float | None, step: int | None, samples: float | None) -> None:
         if t is None or step is None:
@@ -127,7 +146,16 @@ def parse_device(value: Any) -> int | None:
     return None
 
 
-def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]], now: float) -> RankStatus:
+def derive(
+    inputs: RankInputs,
+    rates: RateTracker,
+    verdicts: list[dict[str, Any]],
+    now: float,
+    startup_allowance: float = STARTUP_ALLOWANCE,
+    run_started: float | None = None,
+) -> RankStatus:
+    """The rank's status at `now`. `startup_allowance` and `run_started` (the run's start, used when
+    the rank's own `start` event is not known) come from run.json when there is one."""
     st = inputs.state or {}
     start = inputs.start or {}
     status = RankStatus(rank=inputs.rank, node=inputs.node)
@@ -161,6 +189,8 @@ def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]
     status.heartbeat_age = None if hb is None else max(0.0, now - hb)
 
     colls = st.get("collectives") if isinstance(st.get("collectives"), dict) else {}
+    totals = colls.get("totals") if isinstance(colls.get("totals"), dict) else {}
+    rates.add_collectives(_float(st.get("t")), _float(totals.get("count")))
     inflight = [c for c in colls.get("inflight") or [] if isinstance(c, dict)]
     oldest = min(inflight, key=lambda c: _since(c, now)) if inflight else None
     done = colls.get("last_done") if isinstance(colls.get("last_done"), dict) else None
@@ -206,6 +236,26 @@ def derive(inputs: RankInputs, rates: RateTracker, verdicts: list[dict[str, Any]
         status.state, status.state_text = "training", f"step {status.step}"
         if status.phase:
             status.state_text += f", {status.phase}"
+    elif colls.get("issued") or done is not None or oldest is not None:
+        per_s = rates.collectives_per_s()
+        status.state = "running"
+        status.state_text = "no step reported; " + (
+            f"last collective {status.last_collective}"
+            if status.last_collective
+            else "in its first collective"
+        )
+        if per_s is not None:
+            status.state_text += f", {per_s:.1f} collectives/s"
+    else:
+        started = _first(_float(start.get("t")), run_started)
+        if started is not None and now - started >= startup_allowance:
+            status.state = "stuck"
+            status.state_text = (
+                f"stuck at start: no step or collective {now - started:.0f} s after it started"
+            )
+            waiting = st.get("waiting") if isinstance(st.get("waiting"), dict) else None
+            if waiting and waiting.get("what"):
+                status.state_text += f", waiting in {waiting['what']}"
     if inputs.fallback is not None:
         status.notes.append(_fallback_text(inputs.fallback))
     if inputs.oom is not None:

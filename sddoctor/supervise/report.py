@@ -18,10 +18,13 @@ REPORT_VERSION = 1
 PREFLIGHT_FILE = "preflight.json"
 
 
-def rank_summary(rank: RankState) -> dict[str, Any]:
-    """The per-rank part of report.json and of /api/state (snapshot fields plus exit and stack)."""
+def rank_summary(rank: RankState, state: RunState | None = None) -> dict[str, Any]:
+    """The per-rank part of report.json and of /api/state (snapshot fields plus exit and stack, and
+    with the run's `state` the rank's `activity`)."""
     out: dict[str, Any] = dict(rank.state)
     out["rank"] = rank.rank
+    if state is not None:
+        out["activity"] = rank.activity(state.now, state.started, state.startup_timeout)
     if rank.pid is not None:
         out["pid"] = rank.pid
     if rank.host:
@@ -63,7 +66,7 @@ def build_report(
         "hang_timeout": state.hang_timeout,
         "straggler_ratio": state.straggler_ratio,
         "verdicts": [v.to_dict() for v in verdicts],
-        "ranks": {str(r): rank_summary(state.ranks[r]) for r in sorted(state.ranks)},
+        "ranks": {str(r): rank_summary(state.ranks[r], state) for r in sorted(state.ranks)},
         "stacks": {"dir": "stacks", "problem": state.stacks_problem},
         "flight_recorder": state.flight_recorder,
         "launcher": {
@@ -184,7 +187,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     out += [
         "## Ranks",
         "",
-        "| rank | pid | alive | step | phase | last collective | in flight | exit | stack top |",
+        "| rank | pid | activity | step | phase | last collective | in flight | exit | stack top |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in (report.get("ranks") or {}).items():
@@ -196,7 +199,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{c.get('op')} #{c.get('seq')}" for c in colls.get("inflight") or [] if isinstance(c, dict)
         )
         out.append(
-            f"| {key} | {r.get('pid')} | {r.get('alive')} | {r.get('step')} | {r.get('phase')} | {last} | {inflight} "
+            f"| {key} | {r.get('pid')} | {r.get('activity', r.get('alive'))} | {r.get('step')} | {r.get('phase')} "
+            f"| {last} | {inflight} "
             f"| {_exit_text(r.get('exit'))} | {stack.get('top_user_frame') or stack.get('error') or ''} |"
         )
     problem = (report.get("stacks") or {}).get("problem")

@@ -141,6 +141,18 @@ class RankState:
             self.state.get("step") is not None or bool(self.collectives.get("issued")) or bool(self.inflight)
         )
 
+    def activity(self, now: float, started: float, startup_timeout: float) -> str:
+        """One word for what the rank does: "exited"; "training" (steps finish); "running" (no step
+        reported, collectives issued); "starting"; or "stuck at start" (no step and no collective
+        once the start-up allowance has passed)."""
+        if self.exited:
+            return "exited"
+        if self.state.get("step") is not None or self.step_count:
+            return "training"
+        if self.started_work:
+            return "running"
+        return "stuck at start" if now - started >= startup_timeout else "starting"
+
     @property
     def exited(self) -> bool:
         return self.exit is not None or self.alive is False or self.state.get("status") == "exited"

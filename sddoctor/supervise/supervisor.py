@@ -446,7 +446,7 @@ class Supervisor:
             "v": 1,
             "run": self.opts.run_dir.run_info() or self.opts.run_info,
             "node": {"host": socket.gethostname(), "node_rank": self.opts.node_rank},
-            "ranks": {str(r): rank_summary(state.ranks[r]) for r in sorted(state.ranks)},
+            "ranks": {str(r): rank_summary(state.ranks[r], state) for r in sorted(state.ranks)},
             "verdicts": [v.to_dict() for v in self.verdicts],
             "hang": {"stalled_seconds": round(state.stalled_for, 1), "timeout": state.hang_timeout},
             "hang_handled": self.handling_hang,
