@@ -179,12 +179,12 @@ def _what(what: str) -> str:
 
 
 def _unchanged_rank(
-    rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any
+    rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any, what: str = "hook"
 ) -> None:
-    """An unchanged DDP program under a rank session: one DDP model built before the session (DDP's
-    own comm hook, nothing inferred: "off") and a copy built with it (sddoctor's comm hook and step
-    inference: "on"), trained in alternating blocks; the session (tracing, heartbeat) is on for
-    both, so the difference is what an unchanged program gets on top: the hook and the inference."""
+    """An unchanged DDP program under a rank session (tracing, heartbeat on throughout), two copies
+    of one model trained in alternating blocks. what="hook": "off" is built before the session (DDP's
+    own C++ comm hook), "on" with it (sddoctor's comm hook, whose bucket all-reduces are traced, and
+    step inference). what="inference": both carry sddoctor's comm hook, "on" also infers steps."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -199,8 +199,18 @@ def _unchanged_rank(
             torch.nn.Linear(512, 64),
         )  # fmt: skip
 
-    plain = torch.nn.parallel.DistributedDataParallel(mlp())
-    _session_on(Path(run_dir), rank, world)
+    from sddoctor.instrument import api
+
+    if what == "hook":
+        plain = torch.nn.parallel.DistributedDataParallel(mlp())
+        _session_on(Path(run_dir), rank, world)
+    else:
+        _session_on(Path(run_dir), rank, world)
+        session = api.active()
+        assert session is not None
+        session.infer_steps = False  # hooked (at its first forward), but no steps inferred from it
+        plain = torch.nn.parallel.DistributedDataParallel(mlp())
+        session.infer_steps = True
     inferred = torch.nn.parallel.DistributedDataParallel(mlp())
     x, y = torch.randn(32, 256), torch.randn(32, 64)
     models = {"off": plain, "on": inferred}
@@ -230,8 +240,6 @@ def _unchanged_rank(
             times["pairs"].append(
                 statistics.median(times["on"][-steps:]) / statistics.median(times["off"][-steps:])
             )
-    from sddoctor.instrument import api
-
     session = api.active()
     inferred_steps = session.inference.step if session is not None and session.inference is not None else 0
     if rank == 0:
@@ -243,14 +251,19 @@ def _unchanged_rank(
     dist.destroy_process_group()
 
 
-def bench_gloo_unchanged(blocks: int, steps: int) -> dict[str, Any]:
-    times = _run_gloo(_unchanged_rank, blocks, steps)
-    result = _result(
-        "gloo, 2 ranks, CPU MLP DDP, unchanged program: comm hook + inferred steps vs plain", times
-    )
-    result["inferred_steps"] = int(times["inferred"][0])
-    result["on_steps_expected"] = len(times["on"]) + 3  # and the warm-up steps
-    return result
+def bench_gloo_unchanged(blocks: int, steps: int) -> list[dict[str, Any]]:
+    """Two results: sddoctor's comm hook and step inference against DDP's own hook, then step
+    inference alone (both models hooked)."""
+    out = []
+    for what, name in (
+        ("hook", "gloo, 2 ranks, CPU MLP DDP, unchanged program: sddoctor's comm hook + inferred steps vs DDP's own hook"),
+        ("inference", "gloo, 2 ranks, CPU MLP DDP, unchanged program: step inference on vs off (both hooked)"),
+    ):  # fmt: skip
+        times = _run_gloo(_unchanged_rank, blocks, steps, what)
+        result = _result(name, times)
+        result["inferred_steps"] = int(times["inferred"][0])
+        out.append(result)
+    return out
 
 
 def bench_nccl(blocks: int, steps: int, what: str = "session") -> dict[str, Any]:
@@ -274,6 +287,41 @@ def bench_nccl(blocks: int, steps: int, what: str = "session") -> dict[str, Any]
         f"nccl, 1 GPU ({torch.cuda.get_device_name(0)}), MLP {params / 1e6:.0f}M params DDP" + _what(what),
         times,
     )
+
+
+def microbench_inference(steps: int = 20000, rounds: int = 5) -> dict[str, Any]:
+    """What step inference adds to one step of an unchanged DDP program: its forward pre-hook and the
+    end of the step at the last gradient bucket (a `step` event), timed on this thread's CPU."""
+    import torch
+    import torch.distributed as dist
+
+    from sddoctor.instrument import api
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
+        _session_on(Path(run_dir), 0, 1)
+        session = api.active()
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        x = torch.randn(4, 8)
+        model(x).sum().backward()  # installs the hook, attaches the inference
+        inference = session.inference if session is not None else None
+        if inference is None or inference._primary is None:
+            raise RuntimeError("step inference did not attach to the DDP model")
+        ref = inference._primary
+        per_step = []
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            for _ in range(steps):
+                inference._on_forward(ref, (x,), {})
+                inference._on_synced_backward(ref)
+            per_step.append((time.thread_time() - t0) / steps * 1e6)
+        _session_off()
+        del model
+    dist.destroy_process_group()
+    return {
+        "name": "step inference per step (forward pre-hook + step event)",
+        "inference_us": round(statistics.median(per_step), 2),
+    }
 
 
 def microbench(calls: int = 20000, rounds: int = 7) -> dict[str, Any]:
@@ -412,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.micro:
             results.append(microbench(calls=args.calls))
+            results.append(microbench_inference())
         elif args.unchanged:
-            results.append(bench_gloo_unchanged(args.blocks, args.steps))
+            results += bench_gloo_unchanged(args.blocks, args.steps)
         else:
             what = "timeline" if args.timeline else "session"
             results.append(bench_gloo(args.blocks, args.steps, what))
@@ -437,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['cpu_ratio_on_off']}; {r['steps_on']}+{r['steps_off']} steps"
                     + (f"; {r['inferred_steps']} steps inferred" if "inferred_steps" in r else "")
                 )
+            elif "inference_us" in r:
+                print(f"{r['name']}: {r['inference_us']} us")
             else:
                 print(
                     f"{r['name']}: {r['untraced_us']} us untraced, {r['traced_us']} us traced "

@@ -50,12 +50,12 @@ def recorder_environment(run_dir: str | os.PathLike[str], buffer_size: int = 200
 
 def drop_deprecated_names(environ: dict[str, str] | os._Environ[str]) -> None:
     """Rank side, before torch is imported: keep only the buffer-size name the installed torch reads
-    without a deprecation warning (TORCH_FR_BUFFER_SIZE from torch 2.13 on), unless the user set the
-    old name to another value."""
+    without a deprecation warning (TORCH_FR_BUFFER_SIZE: torch 2.11 on an H200 already warned about
+    the old name), unless the user set the old name to another value."""
     if environ.get(TRACE_BUFFER_ENV) is None or environ.get(TRACE_BUFFER_ENV) != environ.get(FR_BUFFER_ENV):
         return
     found = _installed_torch_version()
-    if found is not None and found >= (2, 13):
+    if found is not None and found >= (2, 11):
         del environ[TRACE_BUFFER_ENV]
 
 
