@@ -181,10 +181,7 @@ def _what(what: str) -> str:
 def _unchanged_rank(
     rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any, what: str = "hook"
 ) -> None:
-    """An unchanged DDP program under a rank session (tracing, heartbeat on throughout), two copies
-    of one model trained in alternating blocks. what="hook": "off" is built before the session (DDP's
-    own C++ comm hook), "on" with it (sddoctor's comm hook, whose bucket all-reduces are traced, and
-    step inference). what="inference": both carry sddoctor's comm hook, "on" also infers steps."""
+    """A gloo rank of `_unchanged_blocks` on a CPU MLP."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -199,20 +196,39 @@ def _unchanged_rank(
             torch.nn.Linear(512, 64),
         )  # fmt: skip
 
+    batch = (torch.randn(32, 256), torch.randn(32, 64))
+    times = _unchanged_blocks(rank, world, mlp, batch, blocks, steps, Path(run_dir), what, "cpu")
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def _unchanged_blocks(
+    rank: int, world: int, make_model: Any, batch: Any, blocks: int, steps: int, run_dir: Path, what: str,
+    device: str,
+) -> dict[str, list[float]]:  # fmt: skip
+    """An unchanged DDP program under a rank session (tracing, heartbeat on throughout), two copies
+    of one model trained in alternating blocks. what="hook": "off" is built before the session (DDP's
+    own C++ comm hook), "on" with it (sddoctor's comm hook, whose bucket all-reduces are traced, and
+    step inference). what="inference": both carry sddoctor's comm hook, "on" also infers steps."""
+    import torch
+    import torch.distributed as dist
+
     from sddoctor.instrument import api
 
+    ids = [0] if device == "cuda" else None
     if what == "hook":
-        plain = torch.nn.parallel.DistributedDataParallel(mlp())
-        _session_on(Path(run_dir), rank, world)
+        plain = torch.nn.parallel.DistributedDataParallel(make_model(), device_ids=ids)
+        _session_on(run_dir, rank, world)
     else:
-        _session_on(Path(run_dir), rank, world)
+        _session_on(run_dir, rank, world)
         session = api.active()
         assert session is not None
         session.infer_steps = False  # hooked (at its first forward), but no steps inferred from it
-        plain = torch.nn.parallel.DistributedDataParallel(mlp())
+        plain = torch.nn.parallel.DistributedDataParallel(make_model(), device_ids=ids)
         session.infer_steps = True
-    inferred = torch.nn.parallel.DistributedDataParallel(mlp())
-    x, y = torch.randn(32, 256), torch.randn(32, 64)
+    inferred = torch.nn.parallel.DistributedDataParallel(make_model(), device_ids=ids)
+    x, y = batch
     models = {"off": plain, "on": inferred}
     optims = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     times: dict[str, list[float]] = {"on": [], "off": [], "cpu_on": [], "cpu_off": [], "pairs": []}
@@ -225,6 +241,8 @@ def _unchanged_rank(
         optims[mode].step()
         logged = loss.detach().clone()
         dist.all_reduce(logged)  # what a script logs
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0, time.process_time() - c0
 
     for mode in ("on", "off", "on", "off", "on", "off"):  # warm-up: DDP rebuilds its buckets
@@ -242,13 +260,12 @@ def _unchanged_rank(
             )
     session = api.active()
     inferred_steps = session.inference.step if session is not None and session.inference is not None else 0
-    if rank == 0:
-        out.put({**times, "inferred": [float(inferred_steps)]})
+    times["inferred"] = [float(inferred_steps)]
     _session_off()
     models.clear()  # free the DDP models before the process group (gloo teardown)
     optims.clear()
     del plain, inferred
-    dist.destroy_process_group()
+    return times
 
 
 def bench_gloo_unchanged(blocks: int, steps: int) -> list[dict[str, Any]]:
@@ -263,6 +280,42 @@ def bench_gloo_unchanged(blocks: int, steps: int) -> list[dict[str, Any]]:
         result = _result(name, times)
         result["inferred_steps"] = int(times["inferred"][0])
         out.append(result)
+    return out
+
+
+def bench_nccl_unchanged(blocks: int, steps: int) -> list[dict[str, Any]]:
+    """`bench_gloo_unchanged` on one GPU with NCCL: a 134M-parameter MLP (DDP makes a few dozen
+    buckets of it), sddoctor's comm hook and step inference on vs off."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    width = 4096
+
+    def mlp() -> Any:
+        torch.manual_seed(0)
+        layers: list[Any] = []
+        for _ in range(8):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        return torch.nn.Sequential(*layers).cuda()
+
+    batch = (torch.randn(256, width, device="cuda"), torch.randn(256, width, device="cuda"))
+    out = []
+    for what in ("hook", "inference"):
+        with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
+            times = _unchanged_blocks(0, 1, mlp, batch, blocks, steps, Path(run_dir), what, "cuda")
+        label = (
+            "sddoctor's comm hook + inferred steps vs DDP's own hook"
+            if what == "hook"
+            else "step inference on vs off"
+        )
+        result = _result(
+            f"nccl, 1 GPU ({torch.cuda.get_device_name(0)}), MLP 134M DDP, unchanged program: {label}", times
+        )
+        result["inferred_steps"] = int(times["inferred"][0])
+        out.append(result)
+    dist.destroy_process_group()
     return out
 
 
@@ -463,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(microbench_inference())
         elif args.unchanged:
             results += bench_gloo_unchanged(args.blocks, args.steps)
+            if not args.no_cuda:
+                import torch
+
+                if torch.cuda.is_available():
+                    results += bench_nccl_unchanged(args.blocks, args.steps)
         else:
             what = "timeline" if args.timeline else "session"
             results.append(bench_gloo(args.blocks, args.steps, what))
