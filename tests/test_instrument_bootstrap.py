@@ -168,16 +168,21 @@ def test_flight_recorder_pipe_is_written_without_blocking(tmp_path: Path) -> Non
 
 
 def test_hot_path_microbenchmark(tmp_path: Path) -> None:
-    """Prints the per-call cost of tracing (a number for the record, not a timed assertion)."""
+    """Prints the per-call cost of tracing, of the timeline buffer and of step inference (numbers for
+    the record, not timed assertions)."""
     out = subprocess.run(
         [sys.executable, "-m", "sddoctor.instrument.bench", "--micro", "--calls", "2000", "--json"],
         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    (result,) = json.loads(out.stdout)["results"]
+    result, inference = json.loads(out.stdout)["results"]
     print(f"\ntracing hot path: {result['overhead_us']} us per call; gloo all_reduce "
-          f"{result['gloo_all_reduce_untraced_us']} -> {result['gloo_all_reduce_traced_us']} us")  # fmt: skip
+          f"{result['gloo_all_reduce_untraced_us']} -> {result['gloo_all_reduce_traced_us']} us; "
+          f"step inference {inference['inference_us']} us per step")  # fmt: skip
     assert result["recorded"]["0"] > 0  # the traced calls were really traced
+    # the timeline buffer on the hot path and its writer on the heartbeat thread
+    assert result["timeline_flush_us"] > 0 and isinstance(result["timeline_us"], float)
+    assert inference["inference_us"] > 0
 
 
 def test_a_scripts_own_sigterm_handler_still_runs(tmp_path: Path) -> None:

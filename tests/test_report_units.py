@@ -397,22 +397,3 @@ def test_bounded_reading_keeps_every_rare_event_and_only_the_last_steps(tmp_path
     assert [e["kind"] for e in events[:2]] == ["start", "fallback"]
     assert steps == list(range(steps[0], 2001)) and 200 < len(steps) < 600
     assert len(RunView.load(rd).ranks[0].of_kind("step")) == 2000
-
-
-def test_micro_benchmark_reports_the_timelines_cost():
-    """`bench --micro` measures the timeline buffer on the hot path and its writer (numbers for the record)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO_ROOT, subprocess_env
-
-    out = subprocess.run(
-        [sys.executable, "-m", "sddoctor.instrument.bench", "--micro", "--calls", "2000", "--json"],
-        env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    (result,) = json.loads(out.stdout)["results"]
-    print(
-        f"\ntimeline: {result['timeline_us']} us per call buffered, {result['timeline_flush_us']} us to write"
-    )
-    assert result["timeline_flush_us"] > 0 and isinstance(result["timeline_us"], float)

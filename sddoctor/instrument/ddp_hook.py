@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sddoctor.instrument import tracing
 from sddoctor.instrument.safety import internal_error
 
 
@@ -58,6 +59,8 @@ class CommHookState:
         self.buckets = 0
         self.seconds = 0.0
         self.last_bucket_t: float | None = None
+        #: (file, line) of the user's frame that started the current backward (traced records)
+        self.caller: tuple[str, int] | None = None
         #: called with the bucket index just before it is launched (fault injection); may raise
         self.before_launch: Callable[[int], None] | None = None
         #: called right after the last bucket of a backward was launched (the OOM guard's agreement)
@@ -131,7 +134,9 @@ def _averaging_allreduce_hook(state, bucket):
         # As DDP's default hook does; a failed all-reduce raises here exactly as it would there.
         return fut.value()[0]
 
-    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_done)
+    if index == 0 or state.caller is None:
+        state.caller = tracing.caller_of_backward()  # the same for every bucket of this backward
+    fut = tracing.bucket_all_reduce(buffer, group, state.caller).get_future().then(_done)
     if last:
         for callback in (state.after_last_launch, state.on_synced_backward):
             if callback is not None:

@@ -320,6 +320,35 @@ class Tracer:
             self._hold("shape")
         return ("go", st, rec, args, kwargs, restore, user_async, on_cuda)
 
+    def bucket_all_reduce(self, fn: Callable[..., Any], buffer: Any, group: Any, caller: tuple[str, int]) -> Any:
+        """`fn(buffer, group=group, async_op=True)` recorded as `call` records it, for DDP's gradient
+        buckets (sddoctor's comm hook): the same numbering and record, without the generic path's
+        argument parsing and frame walk (the caller is the hook's, found once per backward). Only
+        used while no collective fault is armed."""
+        st = self._groups.get(group)
+        if st is None:
+            st = self._new_group(group)
+        seq = st.seq + 1
+        st.seq = seq
+        rec = _Rec()
+        rec.op, rec.key, rec.seq, rec.peer = "all_reduce", st.name, seq, None
+        rec.shapes, rec.dtypes = [buffer.shape], [buffer.dtype]
+        rec.file, rec.line = caller
+        rec.handle, rec.t1, rec.deferred = None, None, True
+        rec.t0 = time.time()
+        _tls.busy = True
+        try:
+            work = fn(buffer, group=group, async_op=True)
+        except BaseException:
+            rec.t1 = time.time()
+            self.last_failed = rec
+            raise
+        finally:
+            _tls.busy = False
+        rec.handle = work
+        st.pending.append(rec)
+        return work
+
     def _end(self, st: _Group, rec: _Rec, result: Any, user_async: bool, on_cuda: bool) -> None:
         """The call returned: complete now, or keep its Work / a CUDA event to poll."""
         if user_async:
@@ -765,6 +794,24 @@ def _caller_frame(frame: Any) -> Any:
             fallback = frame
         frame = frame.f_back
     return fallback
+
+
+def bucket_all_reduce(buffer: Any, group: Any, caller: tuple[str, int] | None) -> Any:
+    """An async all-reduce of a DDP gradient bucket, traced: the lean path when it can be taken
+    (a tracer, no fault armed, `caller` known), else torch.distributed's (traced) all_reduce."""
+    import torch.distributed as dist
+
+    tracer = _tracer
+    traced = dist.all_reduce
+    if tracer is None or caller is None or tracer._slow or tracer._coalescing or getattr(_tls, "busy", False):
+        return traced(buffer, group=group, async_op=True)
+    return tracer.bucket_all_reduce(getattr(traced, "__sddoctor_original__", traced), buffer, group, caller)
+
+
+def caller_of_backward() -> tuple[str, int] | None:
+    """(file, line) of the user's frame that started this backward (see `_caller_frame`)."""
+    frame = _caller_frame(sys._getframe(1))
+    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
 
 
 def user_caller() -> str | None:
