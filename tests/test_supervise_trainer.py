@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 TRAIN_PY = REPO_ROOT / "trainer" / "train.py"
 OBJECTIVE_PY = REPO_ROOT / "trainer" / "objective.py"
+PROGRESS_PY = REPO_ROOT / "trainer" / "progress.py"
 TRAINER_DIR = str(REPO_ROOT / "trainer") + "/"
 MAX_STEPS = 8
 # Short and quiet: no VAE fit, no latent cache, no samples, checkpoint or export at the end; the
@@ -50,9 +51,12 @@ RUNS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "raise": ("raise:rank=0,step=2", PATIENT),
     # seq 3 = the second all_reduce of step 1's stop-signal agreement (see the test below).
     "skip": ("skip:rank=1,seq=3", ("--hang-timeout", "4", "--on-hang", "kill")),
-    # 2 s per step on rank 1 from step 2 on: well above twice the others' compute even on a busy machine.
-    "sleep": ("sleep:rank=1,seconds=2,step=2,every=1", PATIENT),
+    # 1 s per step on rank 1 from step 2 on: well above twice the others' compute even on a busy
+    # machine, for long enough (24 steps) that sddoctor declares it live and samples where it goes.
+    "sleep": ("sleep:rank=1,seconds=1,step=2,every=1", PATIENT),
 }
+#: more trainer options per run (a later --set wins)
+EXTRA = {"sleep": ["--set", "train.max_steps=24"]}
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +68,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         where = root / name
         where.mkdir()
         return run_supervised(
-            where, TRAINER, options=options, fault=fault, env={"OMP_NUM_THREADS": "1"}, timeout=240
-        )
+            where, TRAINER + EXTRA.get(name, []), options=options, fault=fault, env={"OMP_NUM_THREADS": "1"},
+            timeout=240,
+        )  # fmt: skip
 
     def own_run() -> tuple[subprocess.CompletedProcess[str], Path]:
         """The trainer alone (no sddoctor run): it writes its own run directory."""
@@ -154,10 +159,13 @@ def test_slow_trainer_rank_is_a_straggler(runs):
     v = _only(res, "straggler")
     assert v["culprit_rank"] == 1
     assert v["details"]["ratio"] >= 2.0
-    # Where the others wait for it: the first collective after its sleep that both sides trace is the
-    # OOM guard's agreement, launched from the comm hook as the last gradient bucket goes out, i.e.
-    # from inside the backward call of trainer/objective.py (the bucket all-reduces are DDP's own).
-    assert v["location"] == script_line(".backward()", OBJECTIVE_PY), v["location"]
+    # Where its time goes: the injected sleep fires inside sdi.step, which the trainer's step
+    # reporter calls; py-spy's samples of rank 1 land on that line.
+    assert v["location"] == script_line("sdi.step(step, loss=float(loss)", PROGRESS_PY), v
+    # Where the others wait for it: the first collective after the sleep, the logging interval's
+    # all-reduce of the mean loss (log_every=1).
+    assert v["details"]["wait_site"] == script_line("dist.all_reduce(mean)", TRAIN_PY), v
+    assert "straggler: rank 1" in res.stderr  # declared live
     assert [x["kind"] for x in res.report["verdicts"]] == ["straggler"]
 
 

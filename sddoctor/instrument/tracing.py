@@ -320,7 +320,9 @@ class Tracer:
             self._hold("shape")
         return ("go", st, rec, args, kwargs, restore, user_async, on_cuda)
 
-    def bucket_all_reduce(self, fn: Callable[..., Any], buffer: Any, group: Any, caller: tuple[str, int]) -> Any:
+    def bucket_all_reduce(
+        self, fn: Callable[..., Any], buffer: Any, group: Any, caller: tuple[str, int]
+    ) -> Any:
         """`fn(buffer, group=group, async_op=True)` recorded as `call` records it, for DDP's gradient
         buckets (sddoctor's comm hook): the same numbering and record, without the generic path's
         argument parsing and frame walk (the caller is the hook's, found once per backward). Only

@@ -235,6 +235,12 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
         )
         return (victim, root if len(candidates) > 1 else 0, _death_time(rank))
 
+    if (state.stopped_by_supervisor is not None or state.hang_declared_by is not None) and all(
+        blame_key(c)[0] > 0 for c in candidates
+    ):
+        # Every death says a peer went away, and a supervisor stopped the job (this node's, or a
+        # peer node's after a hang it diagnosed): consequences of that stop, not a crash.
+        return []
     # Death time first: the earliest death is the cause unless it is clearly a victim.
     by_time = sorted(candidates, key=lambda item: _death_time(item[0]))
     first_time = _death_time(by_time[0][0])

@@ -111,8 +111,8 @@ _REPORT_FIELDS = {
     "run": "dict",
     "stacks": "dict",
     "launcher": "dict",
-    "preflight": "dict",
-    "flight_recorder": "dict",
+    "preflight": "dict?",
+    "flight_recorder": "dict?",
 }
 
 

@@ -9,7 +9,8 @@ when the call is made, so this holds on gloo and on NCCL, for blocking and async
 collectives (DDP's gradient buckets) alike.
 
 A straggler is persistent, not a blip: within the window (60 s) it must be the last to arrive at
-most collectives that one rank reached clearly last (`LAST_SHARE`; ties decide nothing), its busy time must be `straggler_ratio` times the median other
+most collectives that one rank reached clearly last, weighted by how late (`LAST_SHARE`: of the
+time the others waited for a last rank, most was for it; ties decide nothing), its busy time must be `straggler_ratio` times the median other
 rank's, the others must spend a real share of their time waiting for it, over enough collectives
 and steps; and `StragglerTracker` declares it only once that has held for `CONFIRM_SECONDS` and
 `CONFIRM_STEPS` more steps. The first steps, a compile, a checkpoint save on one rank or work all
@@ -49,7 +50,7 @@ class Finding:
     busy_share: float
     others_busy_share: float
     others_wait_share: float
-    last_share: float
+    last_share: float  # of the time ranks waited for the last one to arrive, the share it was this rank
     collectives: int
     decided: int  # collectives at which one rank arrived clearly last (not a tie)
     steps: int  # steps finished in the window (0: the program reports none)
@@ -126,13 +127,20 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
     span = end - start
     if span <= 0:
         return None
-    lasts = [r for t in rounds if (r := _last_arrival(t)) is not None]  # ties decide nothing
+    lasts = [x for t in rounds if (x := _last_arrival(t)) is not None]  # ties decide nothing
+    margins = sum(m for _, m in lasts)
     shares: dict[int, dict[str, float]] = {}
     for rank in live:
         intervals = [(t[rank.rank], max(t.values())) for t in rounds]
-        last = sum(1 for r in lasts if r == rank.rank)
+        # Weighted by how late: a rank last by 1 s at each step and one last by 2 ms at the
+        # other collectives of the step are not equally the one everybody waits for.
+        last = sum(m for r, m in lasts if r == rank.rank)
         wait = _union_length(intervals) / span
-        shares[rank.rank] = {"wait": wait, "busy": max(0.0, 1.0 - wait), "last": last / max(1, len(lasts))}
+        shares[rank.rank] = {
+            "wait": wait,
+            "busy": max(0.0, 1.0 - wait),
+            "last": last / margins if margins else 0.0,
+        }
     slow = max(shares, key=lambda r: (shares[r]["busy"], shares[r]["last"]))
     others = [s for r, s in shares.items() if r != slow]
     others_busy = median(s["busy"] for s in others)
@@ -175,12 +183,12 @@ def _common_collectives(live: list[RankState], since: float) -> list[dict[int, f
     return rounds
 
 
-def _last_arrival(times: dict[int, float], tie: float = 0.001) -> int | None:
-    """The rank that arrived last, if it did by more than `tie` seconds (else nobody)."""
+def _last_arrival(times: dict[int, float], tie: float = 0.001) -> tuple[int, float] | None:
+    """The rank that arrived last and by how much before the next latest, if by more than `tie`
+    seconds (else nobody)."""
     order = sorted(times, key=lambda r: times[r])
-    if len(order) < 2 or times[order[-1]] - times[order[-2]] <= tie:
-        return None
-    return order[-1]
+    margin = times[order[-1]] - times[order[-2]] if len(order) >= 2 else 0.0
+    return (order[-1], margin) if margin > tie else None
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -368,9 +376,9 @@ def _verdict(
         summary += f"; they wait for it at {wait_site}"
     location = location or wait_site
     evidence = [
-        f"rank {r}: waits for others {100 * s.get('wait', 0):.0f}% of the time; it arrived last at "
-        f"{100 * s.get('last', 0):.0f}% of the {data.get('decided')} collectives (of {data.get('collectives')}) "
-        "that one rank reached clearly last"
+        f"rank {r}: waits for others {100 * s.get('wait', 0):.0f}% of the time; {100 * s.get('last', 0):.0f}% "
+        f"of the waiting for a last rank was for it ({data.get('decided')} of {data.get('collectives')} "
+        "collectives had a clear last rank)"
         for r, s in sorted((data.get("shares") or {}).items(), key=lambda kv: int(kv[0]))
     ]
     if data.get("period"):

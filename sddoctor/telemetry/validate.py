@@ -108,10 +108,10 @@ RUN_FIELDS = {
     "node_rank": "int",
     "supervisor_pid": "int",
     "options": "dict",
-    "endpoint": "str",
-    "fault": "str",
+    "endpoint": "str?",
+    "fault": "str?",
 }
-_RUN_OPTIONS = {"hang_timeout": "num", "straggler_ratio": "num", "on_hang": "str"}
+_RUN_OPTIONS = {"hang_timeout": "num", "startup_timeout": "num", "straggler_ratio": "num", "on_hang": "str"}
 
 
 def _ok(value: Any, kind: str) -> bool:
