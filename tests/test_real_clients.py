@@ -41,7 +41,18 @@ FAULTS: dict[str, tuple[str | None, dict[str, str], tuple[str, ...]]] = {
     "skip-grad": ("skip:rank=1,seq={grad}", {"STEPS": "30"}, HANG),
     "skip-barrier": ("skip:rank=1,seq={barrier}", {"STEPS": "30", "BARRIER_EVERY": "2"}, HANG),
     "straggler": ("sleep:rank=1,seconds=0.3", {"STEPS": "65"}, ("--hang-timeout", "30")),
+    # the gradient all-reduce of rank 1 gets another shape: gloo would abort on it, so the call is
+    # held (NCCL hangs the same way)
+    "shape-grad": ("shape:rank=1,seq={grad}", {"STEPS": "30"}, HANG),
+    # an out-of-memory error as a rank meets it on a GPU without the trainer's guard
+    "oom": (
+        "raise:rank=1,step=5,message=CUDA out of memory. Tried to allocate 2.00 GiB",
+        {"STEPS": "30"},
+        HANG,
+    ),
 }
+#: faults run for some clients only (the others share the code paths these check)
+ONLY = {"shape-grad": ("ddp", "spawn"), "oom": ("spawn", "accelerate")}
 
 
 @pytest.fixture(scope="module", params=list(CLIENTS_BY_NAME))
@@ -62,8 +73,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             where, client.command(), options=options, fault=spec, env=env, timeout=240
         )
 
+    faults = [f for f in FAULTS if client.name in ONLY.get(f, (client.name,))]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return {"client": client, **dict(pool.map(one, FAULTS))}
+        return {"client": client, **dict(pool.map(one, faults))}
 
 
 def _verdicts(res: Supervised, kind: str) -> list[dict[str, Any]]:
@@ -171,3 +183,24 @@ def test_clients_are_user_code() -> None:
     """The programs call no sddoctor API: what the suite checks comes from the bootstrap alone."""
     for client in CLIENTS_BY_NAME.values():
         assert "sddoctor" not in Path(client.script).read_text()
+
+
+def test_a_changed_shape_is_a_mismatch_at_the_users_line(runs: dict) -> None:
+    if "shape-grad" not in runs:
+        pytest.skip(f"run for {', '.join(ONLY['shape-grad'])} only")
+    res, c = runs["shape-grad"], runs["client"]
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = _verdicts(res, "hang.mismatch")
+    assert v["culprit_rank"] == 1 and v["location"] == c.line(c.backward), v
+    _no_sddoctor_traceback(res)
+
+
+def test_an_out_of_memory_error_is_an_oom_verdict(runs: dict) -> None:
+    if "oom" not in runs:
+        pytest.skip(f"run for {', '.join(ONLY['oom'])} only")
+    res, c = runs["oom"], runs["client"]
+    assert res.returncode in (1, 124), res.stderr[-3000:]
+    (v,) = _verdicts(res, "oom")
+    assert v["culprit_rank"] == 1 and v["location"] == c.line(c.forward), v
+    assert not _verdicts(res, "crash")  # the OOM verdict replaces the crash of that rank
+    _no_sddoctor_traceback(res)
