@@ -98,6 +98,12 @@ class DataConfig:
     cache: bool = False  # precompute VAE latents and text embeddings (trainer/cache.py)
     cache_dir: str | None = None  # default: $SDDOCTOR_CACHE_DIR or ~/.cache/sddoctor/latents
     verify_images: bool = True  # open and verify every image while indexing the folder
+    # Aspect-ratio buckets (trainer/buckets.py): each image is resized to the bucket of about
+    # resolution^2 pixels nearest its aspect ratio instead of a centre square; a batch holds one bucket.
+    buckets: bool = False
+    bucket_step: int = 0  # bucket sides are multiples of this; 0: the smallest the model allows
+    bucket_min: int = 0  # shortest bucket side; 0: resolution / 2
+    bucket_max: int = 0  # longest bucket side; 0: resolution * 2
 
 
 class SampleKey(NamedTuple):

@@ -327,3 +327,25 @@ def build_on_meta(preset: str) -> dict[str, torch.nn.Module]:
             "vae": build_vae(arch["vae"]),
             "text_encoder": build_text_encoder(arch["text_encoder"]),
         }
+
+
+#: model.attention_backend -> the one SDPA kernel left enabled (torch.backends.cuda switches).
+_SDPA_SWITCHES = {
+    "flash": "enable_flash_sdp",
+    "efficient": "enable_mem_efficient_sdp",
+    "cudnn": "enable_cudnn_sdp",
+    "math": "enable_math_sdp",
+}
+
+
+def set_attention_backend(name: str) -> None:
+    """Leave only the named kernel enabled for F.scaled_dot_product_attention (diffusers'
+    AttnProcessor2_0), process-wide; `auto` leaves PyTorch's choice alone. The switches are read
+    when each call picks its kernel, so they hold inside compiled graphs too (SDPA stays a call
+    into ATen there)."""
+    if name == "auto":
+        return
+    for backend, switch in _SDPA_SWITCHES.items():
+        toggle = getattr(torch.backends.cuda, switch, None)
+        if toggle is not None:  # cuDNN attention's switch exists from torch 2.2 on
+            toggle(backend == name)

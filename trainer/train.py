@@ -49,12 +49,19 @@ from trainer.checkpoint import (
 )
 from trainer.config import Config, ConfigError, build_config, to_dict, to_toml
 from trainer.data import DataError, ResumableDistributedSampler, build_dataloader, build_dataset
-from trainer.export import export_pipeline
-from trainer.memory import CastInputs, MixedPrecisionAdamW
-from trainer.models import ModelLoadError, build_models, check_model_fits, count_parameters
+from trainer.export import export_model
+from trainer.lora import add_lora, describe_lora, load_unet_state, unet_state
+from trainer.memory import CastInputs, unet_weights_bf16
+from trainer.models import (
+    ModelLoadError,
+    build_models,
+    check_model_fits,
+    count_parameters,
+    set_attention_backend,
+)
 from trainer.nonfinite import NonFiniteError, NonFiniteWatch
 from trainer.objective import DiffusionObjective
-from trainer.optim import EMA, build_lr_scheduler, build_optimizer
+from trainer.optim import EMA, build_lr_scheduler, build_training_optimizer, check_optimizer
 from trainer.progress import ProgressLine, StepReporter, memory_bytes
 from trainer.sample import ema_weights, sample_grid, save_grid
 from trainer.step import batch_size, run_step
@@ -379,6 +386,8 @@ class Trainer:
             torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
             torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
             torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+            set_attention_backend(cfg.model.attention_backend)
+        check_optimizer(cfg.optim, device)
 
         # Bad input (data folder, --resume target) fails here, before any model is built.
         ckpt_root = self.out_dir / "checkpoints"
@@ -416,17 +425,18 @@ class Trainer:
             models.noise_scheduler = type(models.noise_scheduler).from_config(models.noise_scheduler.config)
         unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
         check_model_fits(models, cfg.data.resolution, cfg.sample.steps)
+        lora_base = add_lora(unet, cfg.lora)  # None: the whole UNet trains
         self.log(
             f"model {models.source}: unet {count_parameters(unet):,} | vae {count_parameters(vae):,} | "
             f"text encoder {count_parameters(text_encoder):,} params | {d.world_size} rank(s), {d.backend}, "
             f"{device.type}, {str(dtype).removeprefix('torch.')}"
         )
+        if lora_base is not None:
+            self.log(describe_lora(unet, cfg.lora))
         unet.to(device)
         # bf16 weights: no per-forward weight casts and no fp32 GroupNorm round trips under
         # autocast; the optimizer keeps the fp32 master copy (trainer/memory.py).
-        unet_bf16 = cfg.model.unet_dtype == "bf16" or (
-            cfg.model.unet_dtype == "auto" and dtype == torch.bfloat16 and device.type == "cuda"
-        )
+        unet_bf16 = unet_weights_bf16(cfg.model.unet_dtype, cfg.optim.name, dtype, device)
         if unet_bf16:
             unet.to(dtype=torch.bfloat16)
         vae.to(device).requires_grad_(False).eval()
@@ -527,19 +537,7 @@ class Trainer:
         if unet_bf16:
             model = CastInputs(model, torch.bfloat16)
         params = [p for p in unet.parameters() if p.requires_grad]
-        if unet_bf16 or cfg.optim.state_dtype == "bf16":
-            optimizer = MixedPrecisionAdamW(
-                params,
-                lr=cfg.optim.lr,
-                betas=tuple(cfg.optim.betas),
-                eps=cfg.optim.eps,
-                weight_decay=cfg.optim.weight_decay,
-                master_weights=cfg.optim.master_weights,
-                state_dtype=torch.bfloat16 if cfg.optim.state_dtype == "bf16" else torch.float32,
-                fused=None if cfg.optim.fused == "auto" else cfg.optim.fused == "true",
-            )
-        else:
-            optimizer = build_optimizer(params, cfg.optim, device)
+        optimizer = build_training_optimizer(params, cfg.optim, device, unet_bf16)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
         ema = EMA(unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
@@ -549,7 +547,7 @@ class Trainer:
         if shared is not None:
             assert resume is not None
             with _checkpoint_must_fit(resume.path):
-                unet.load_state_dict(shared["unet"])
+                load_unet_state(unet, shared, lora_base)
                 optimizer.load_state_dict(shared["optimizer"])
                 lr_scheduler.load_state_dict(shared["lr_scheduler"])
                 if ema is not None and shared.get("ema") is not None:
@@ -675,7 +673,7 @@ class Trainer:
         def shared_state() -> dict[str, Any]:
             state = {
                 "step": step,
-                "unet": unet.state_dict(),
+                **unet_state(unet, lora_base),
                 "optimizer": optimizer.state_dict(),
                 "lr_scheduler": lr_scheduler.state_dict(),
                 "ema": ema.state_dict() if ema is not None else None,
@@ -859,7 +857,8 @@ class Trainer:
             check_finite()
             if d.rank == 0:
                 name = cfg.output.name or cfg.model.preset
-                path = export_pipeline(models, unet, self.out_dir / "export", ema, single_file=name)
+                lora = cfg.lora if lora_base else None
+                path = export_model(models, unet, self.out_dir / "export", ema, single_file=name, lora=lora)
                 self.log(f"exported diffusers folder {path}")
             _barrier()
         self.log(f"done: {step} steps in {time.time() - start_time:.1f}s")
