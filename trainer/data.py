@@ -139,12 +139,14 @@ def flip_decision(seed: int, epoch: int, index: int) -> bool:
 
 
 def crop_offsets(
-    seed: int, epoch: int, index: int, size: tuple[int, int], resolution: int
+    seed: int, epoch: int, index: int, size: tuple[int, int], resolution: int | tuple[int, int]
 ) -> tuple[int, int]:
-    """Random crop origin (left, top) for an image of `size` (w, h) already resized."""
+    """Random crop origin (left, top) of a `resolution` square (or (w, h) bucket) in an image of
+    `size` (w, h) already resized."""
     w, h = size
+    tw, th = (resolution, resolution) if isinstance(resolution, int) else resolution
     rng = _rng(seed, epoch, index, 0)
-    return int(rng.integers(0, w - resolution + 1)), int(rng.integers(0, h - resolution + 1))
+    return int(rng.integers(0, w - tw + 1)), int(rng.integers(0, h - th + 1))
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -178,6 +180,8 @@ class AugmentedDataset(Dataset):
         self.skipped: list[SkippedFile] = []
         self._failed_indices: set[int] = set()
         self._named_warnings = 0
+        #: (w, h) each item is cropped to: its aspect-ratio bucket (trainer/buckets.py); None: squares
+        self.target_sizes: list[tuple[int, int]] | None = None
 
     # subclasses provide these
     def __len__(self) -> int:
@@ -200,25 +204,40 @@ class AugmentedDataset(Dataset):
         """Epoch used when indexed with a plain int (the sampler's keys carry their own)."""
         self.epoch = epoch
 
+    def set_target_sizes(self, sizes: list[tuple[int, int]]) -> None:
+        """Crop item i to sizes[i] (w, h) instead of the resolution square (aspect-ratio buckets)."""
+        if len(sizes) != len(self):
+            raise ValueError(f"{len(sizes)} target sizes for {len(self)} items")
+        self.target_sizes = list(sizes)
+
+    def _buckets_tag(self) -> bytes:
+        """The items' bucket sizes for the fingerprint (nothing without buckets: earlier keys hold)."""
+        return b"" if self.target_sizes is None else json.dumps(self.target_sizes).encode()
+
+    def target_size(self, index: int) -> tuple[int, int]:
+        res = self.cfg.resolution
+        return self.target_sizes[index] if self.target_sizes is not None else (res, res)
+
     def captions(self) -> list[str]:
         return [self.caption(i) for i in range(len(self))]
 
     def transform(self, image: Image.Image, index: int, epoch: int, flip: bool | None = None) -> torch.Tensor:
-        """Resize (shorter side to R), crop to R x R, flip; `flip=None` draws it from the seed."""
-        res = self.cfg.resolution
+        """Resize to cover the item's target (R x R, or its bucket), crop to it, flip; `flip=None`
+        draws the flip from the seed."""
+        tw, th = self.target_size(index)
         image = image.convert("RGB")
         w, h = image.size
-        scale = res / min(w, h)
-        new_size = (max(res, round(w * scale)), max(res, round(h * scale)))
+        scale = max(tw / w, th / h)
+        new_size = (max(tw, round(w * scale)), max(th, round(h * scale)))
         if new_size != (w, h):
             image = image.resize(new_size, Image.Resampling.BILINEAR)
         w, h = new_size
         if self.cfg.center_crop:
-            left, top = (w - res) // 2, (h - res) // 2
+            left, top = (w - tw) // 2, (h - th) // 2
         else:
-            left, top = crop_offsets(self.seed, epoch, index, (w, h), res)
-        if (w, h) != (res, res):
-            image = image.crop((left, top, left + res, top + res))
+            left, top = crop_offsets(self.seed, epoch, index, (w, h), (tw, th))
+        if (w, h) != (tw, th):
+            image = image.crop((left, top, left + tw, top + th))
         pixels = to_tensor(image)
         if flip is None:
             flip = self.cfg.random_flip and flip_decision(self.seed, epoch, index)
@@ -308,6 +327,7 @@ class DigitsDataset(AugmentedDataset):
         h.update(self.images.tobytes())
         h.update(self.labels.tobytes())
         h.update(_transform_tag(self.cfg, self.seed).encode())
+        h.update(self._buckets_tag())
         return h.hexdigest()
 
 
@@ -363,6 +383,7 @@ class FolderDataset(AugmentedDataset):
         for record, (size, mtime) in zip(self.records, self._stats, strict=True):
             rel = os.path.relpath(record.path, self.root)
             h.update(json.dumps([rel, size, mtime, record.caption]).encode())
+        h.update(self._buckets_tag())
         return h.hexdigest()
 
 

@@ -349,3 +349,9 @@ def set_attention_backend(name: str) -> None:
         toggle = getattr(torch.backends.cuda, switch, None)
         if toggle is not None:  # cuDNN attention's switch exists from torch 2.2 on
             toggle(backend == name)
+
+
+def side_step(models: Models) -> int:
+    """The step image sides must be multiples of: the VAE's factor times the UNet's downsampling
+    (64 px for Stable Diffusion, 8 for the tiny preset)."""
+    return vae_scale_factor(models.vae) * 2 ** (len(models.unet.config.block_out_channels) - 1)

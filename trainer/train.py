@@ -36,6 +36,7 @@ from sddoctor.instrument import api as sdi
 from sddoctor.instrument.oom_guard import OOMGuard, OOMGuardError
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
+from trainer.buckets import build_bucket_loader, check_bucket_settings, prepare_buckets
 from trainer.cache import build_cache
 from trainer.checkpoint import (
     CheckpointError,
@@ -58,6 +59,7 @@ from trainer.models import (
     check_model_fits,
     count_parameters,
     set_attention_backend,
+    side_step,
 )
 from trainer.nonfinite import NonFiniteError, NonFiniteWatch
 from trainer.objective import DiffusionObjective
@@ -426,6 +428,8 @@ class Trainer:
         unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
         check_model_fits(models, cfg.data.resolution, cfg.sample.steps)
         lora_base = add_lora(unet, cfg.lora)  # None: the whole UNet trains
+        if cfg.data.buckets:
+            check_bucket_settings(cfg.data, side_step(models))
         self.log(
             f"model {models.source}: unet {count_parameters(unet):,} | vae {count_parameters(vae):,} | "
             f"text encoder {count_parameters(text_encoder):,} params | {d.world_size} rank(s), {d.backend}, "
@@ -493,6 +497,8 @@ class Trainer:
                 seed=cfg.train.seed,
                 log=self.log,
             )
+        # Aspect-ratio buckets after the VAE fit (which trains on squares), before the cache (keyed by them).
+        target_sizes = prepare_buckets(dataset, cfg.data, side_step(models), self.log)
         scaling = float(vae.config.scaling_factor)
         frozen_dtype = dtype if device.type == "cuda" else torch.float32
         if frozen_dtype != torch.float32:
@@ -512,17 +518,29 @@ class Trainer:
                 batch_size=max(cfg.train.micro_batch, 16),
             )
             self.log(f"latent cache {'hit' if dataset.stats.hit else 'built'}: {dataset.stats.path}")
-        sampler = ResumableDistributedSampler(
-            dataset, d.world_size, d.rank, shuffle=True, seed=cfg.train.seed
-        )
-        loader = build_dataloader(
-            dataset,
-            sampler,
-            batch_per_step,
-            num_workers=cfg.data.num_workers,
-            pin_memory=device.type == "cuda",
-            seed=cfg.train.seed,
-        )
+        if target_sizes is not None:  # each step's batch from one bucket, the same on every rank
+            sampler, loader = build_bucket_loader(
+                dataset,
+                target_sizes,
+                batch_per_step,
+                d.world_size,
+                d.rank,
+                cfg.train.seed,
+                num_workers=cfg.data.num_workers,
+                pin_memory=device.type == "cuda",
+            )
+        else:
+            sampler = ResumableDistributedSampler(
+                dataset, d.world_size, d.rank, shuffle=True, seed=cfg.train.seed
+            )
+            loader = build_dataloader(
+                dataset,
+                sampler,
+                batch_per_step,
+                num_workers=cfg.data.num_workers,
+                pin_memory=device.type == "cuda",
+                seed=cfg.train.seed,
+            )
 
         # Optimizer, schedule, EMA, loss scaler; then the DDP wrapper (built by the OOM guard).
         unet.train()
