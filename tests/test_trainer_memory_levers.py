@@ -67,3 +67,29 @@ def test_attention_backend_leaves_one_kernel():
     finally:
         for name, value in before.items():  # flash_sdp_enabled() is read, enable_flash_sdp() sets
             getattr(torch.backends.cuda, "enable_" + name.removesuffix("_enabled"))(value)
+
+
+@pytest.mark.parametrize("variant", ["default", "saver", "gc", "lora", "lora-gc"])
+def test_memory_probe_builds_and_steps_each_setup(variant):
+    """The probe's step (what scripts/gpu/memory24.sh measures on a GPU) runs each setup for real."""
+    from trainer.bench import VARIANTS
+    from trainer.memory_probe import build_step
+
+    settings = {**VARIANTS[variant], "model.compile": "false", "model.channels_last": False}
+    cfg = build_config("tiny", None, [f"{k}={str(v).lower()}" for k, v in settings.items()])
+    step, _ = build_step(cfg, torch.device("cpu"))
+    trainable = [p for p in step.optimizer.param_groups[0]["params"]]
+    before = [p.detach().clone() for p in trainable]
+    step(2)
+    step(2)
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainable, strict=True))
+    assert all(p.grad is None for p in trainable)  # zero_grad(set_to_none) ran
+
+
+def test_memory_probe_needs_cuda(capsys):
+    from trainer.memory_probe import main
+
+    assert main(["--variants", "saver"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--variants", "nonsense"])

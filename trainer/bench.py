@@ -101,6 +101,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "saver": {"train.memory_saver": True},
 }
 VARIANTS["best"] = dict(VARIANTS["bf16w-compiled"])
+# memory levers (trainer.memory_probe runs them with compile off): gradient checkpointing alone,
+# bitsandbytes' 8-bit AdamW (fp32 weights under autocast, 8-bit moments), with checkpointing, and
+# under the memory saver; LoRA rank 16 on the default target layers (frozen bf16 UNet)
+VARIANTS.update(
+    {
+        "gc": {"model.gradient_checkpointing": True},
+        "adamw8bit": {"optim.name": "adamw8bit"},
+        "adamw8bit-gc": {"optim.name": "adamw8bit", "model.gradient_checkpointing": True},
+        "saver-8bit": {"train.memory_saver": True, "optim.name": "adamw8bit"},
+        "lora": {"lora.rank": 16},
+        "lora-gc": {"lora.rank": 16, "model.gradient_checkpointing": True},
+    }
+)
+# speed levers against `default` (compiled): CUDA graphs for the launch gaps of the compiled
+# backward, Triton autotuning, and each attention kernel for attention's backward
+VARIANTS.update(
+    {
+        "default-cudagraphs": {"model.compile_mode": "reduce-overhead"},
+        "default-autotune": {"model.compile_mode": "max-autotune-no-cudagraphs"},
+        "default-flash": {"model.attention_backend": "flash"},
+        "default-cudnn": {"model.attention_backend": "cudnn"},
+        "default-efficient": {"model.attention_backend": "efficient"},
+    }
+)
 
 #: The bench's default plan when --cases is not given: every loop at every batch.
 DEFAULT_LOOPS = ("reference", "default", "best")
