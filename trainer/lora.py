@@ -85,7 +85,7 @@ def add_lora(unet: torch.nn.Module, cfg: LoraConfig) -> str | None:
     try:
         from peft import LoraConfig as PeftLoraConfig
     except ImportError:
-        raise LoraError("lora.rank > 0 needs peft: pip install 'peft>=0.17'") from None
+        raise LoraError("lora.rank > 0 needs peft: pip install 'peft>=0.7'") from None
     base = module_fingerprint(unet)
     unet.requires_grad_(False)
     try:
