@@ -218,7 +218,7 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
 """,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", default="tiny", help="tiny (default) | sd15 | sd2-base")
+    parser.add_argument("--preset", default="tiny", help="tiny (default) | sd15 | sd2-base | sd2 (768-v)")
     parser.add_argument("--resolution", type=int, default=0, help="pixels (default: 32 for tiny, else 512)")
     parser.add_argument("--batch", type=_int_list, default=None, help="per-GPU batches, e.g. 8,16,32")
     parser.add_argument("--nproc", type=_int_list, default=[1], help="GPU (rank) counts, e.g. 1,2")
@@ -287,8 +287,8 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
         parser.error(
             "--gpu-idle profiles the last two warm-up steps after two untouched ones: use --warmup 4 or more"
         )
-    if args.preset not in ("tiny", "sd15", "sd2-base"):
-        parser.error(f"unknown --preset {args.preset!r}; valid: tiny, sd15, sd2-base")
+    if args.preset not in ("tiny", "sd15", "sd2-base", "sd2"):
+        parser.error(f"unknown --preset {args.preset!r}; valid: tiny, sd15, sd2-base, sd2")
     if not args.resolution:
         args.resolution = 32 if args.preset == "tiny" else 512
     if args.batch is None:

@@ -239,6 +239,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "sd15": _sd_settings(),
     "sd2-base": _sd_settings(),
+    "sd2": {**_sd_settings(), "data.resolution": 768},
 }
 
 

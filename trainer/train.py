@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", help="tiny (default) | sd15 | sd2-base")
+    parser.add_argument("--preset", help="tiny (default) | sd15 | sd2-base | sd2 (768-v)")
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file of config values ([train] max_steps = 100)"
     )
