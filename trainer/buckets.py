@@ -29,7 +29,14 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Sampler
 
-from trainer.data import AugmentedDataset, DataConfig, DataError, SampleKey, _WorkerSeeder, collate
+from trainer.data import (
+    AugmentedDataset,
+    DataConfig,
+    DataError,
+    EpochPosition,
+    SampleKey,
+    build_dataloader,
+)
 
 Size = tuple[int, int]  # (width, height) in pixels
 
@@ -114,8 +121,10 @@ def describe_buckets(target_sizes: Sequence[Size]) -> str:
     return f"{len(counts)} aspect-ratio bucket(s) in use ({', '.join(parts[:12])}{', ...' if len(parts) > 12 else ''})"
 
 
-class BucketBatchSampler(Sampler[list[SampleKey]]):
+class BucketBatchSampler(EpochPosition, Sampler[list[SampleKey]]):
     """Batches of one bucket, the same bucket on every rank at every step (see the module doc)."""
+
+    yields_batches = True  # a DataLoader batch sampler (trainer.data.build_dataloader)
 
     def __init__(
         self,
@@ -181,35 +190,9 @@ class BucketBatchSampler(Sampler[list[SampleKey]]):
     def __len__(self) -> int:
         return self.batches_per_epoch - self._done()
 
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.consumed = 0
-
-    def advance(self, samples: int) -> None:
-        """Record that this rank consumed `samples` more samples (every rank advances alike)."""
-        self.consumed += samples * self.num_replicas
-
     def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "position": self.consumed // self.num_replicas,
-            "consumed": self.consumed,
-            "num_replicas": self.num_replicas,
-            "seed": self.seed,
-            "dataset_len": self.dataset_len,
-            "batch_size": self.batch_size,
-        }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("dataset_len", self.dataset_len) != self.dataset_len:
-            raise DataError(
-                f"the checkpoint was taken on {state['dataset_len']} samples but the data now has "
-                f"{self.dataset_len}; resume with the same data, or start a new run"
-            )
-        self.epoch = int(state["epoch"])
-        # Another world size (re-sharding): the epoch goes on after the batches consumed so far.
-        self.consumed = int(state.get("consumed", int(state["position"]) * self.num_replicas))
+        # Another world size on resume (re-sharding): the epoch goes on after the batches consumed so far.
+        return {**super().state_dict(), "batch_size": self.batch_size}
 
 
 def build_bucket_loader(
@@ -224,21 +207,7 @@ def build_bucket_loader(
 ) -> tuple[BucketBatchSampler, DataLoader]:
     """(sampler, loader): trainer.data.build_dataloader's loader with batches from one bucket each."""
     sampler = BucketBatchSampler(target_sizes, batch_size, num_replicas, rank, seed)
-    generator = torch.Generator()
-    generator.manual_seed(seed * 1009 + rank)
-    kwargs: dict[str, Any] = {}
-    if num_workers > 0:
-        kwargs.update(persistent_workers=True, worker_init_fn=_WorkerSeeder(seed, rank))
-    loader = DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        collate_fn=collate,
-        generator=generator,
-        **kwargs,
-    )
-    return sampler, loader
+    return sampler, build_dataloader(dataset, sampler, batch_size, num_workers, pin_memory, seed)
 
 
 def prepare_buckets(

@@ -688,7 +688,55 @@ def build_dataset(cfg: DataConfig, seed: int = 0, verbose: bool = True) -> Augme
 # Sampling
 
 
-class ResumableDistributedSampler(Sampler[SampleKey]):
+class EpochPosition:
+    """Where a resumable sampler stands: the epoch and the samples all ranks consumed in it.
+
+    The training loop calls `advance(n)` with what this rank consumed; `state_dict()` is what a
+    checkpoint saves, `load_state_dict()` restores it (refusing data of another size).
+    """
+
+    epoch: int
+    consumed: int
+    num_replicas: int
+    seed: int
+    dataset_len: int
+
+    @property
+    def position(self) -> int:
+        """Samples this rank consumed in the current epoch."""
+        return self.consumed // self.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.consumed = 0
+
+    def advance(self, samples: int) -> None:
+        """Record that this rank consumed `samples` more samples (every rank advances alike)."""
+        self.consumed += samples * self.num_replicas
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "consumed": self.consumed,
+            "num_replicas": self.num_replicas,
+            "seed": self.seed,
+            "dataset_len": self.dataset_len,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("dataset_len", self.dataset_len) != self.dataset_len:
+            raise DataError(
+                f"the checkpoint was taken on {state['dataset_len']} samples but the data now has "
+                f"{self.dataset_len}; resume with the same data, or start a new run"
+            )
+        self.epoch = int(state["epoch"])
+        replicas = int(state.get("num_replicas", self.num_replicas))
+        self.consumed = int(state.get("consumed", int(state["position"]) * replicas))
+
+
+class ResumableDistributedSampler(EpochPosition, Sampler[SampleKey]):
     """DistributedSampler that can stop and resume mid-epoch exactly.
 
     Each epoch has one global order (a permutation seeded by `seed + epoch` when shuffling),
@@ -746,11 +794,6 @@ class ResumableDistributedSampler(Sampler[SampleKey]):
         """Samples per rank in a whole epoch."""
         return self.total_size // self.num_replicas
 
-    @property
-    def position(self) -> int:
-        """Samples this rank consumed in the current epoch."""
-        return self.consumed // self.num_replicas
-
     def _order(self) -> torch.Tensor:
         """The epoch's global order of all items (same on every rank)."""
         n = self.dataset_len
@@ -781,35 +824,6 @@ class ResumableDistributedSampler(Sampler[SampleKey]):
         remaining = self.total_size - min(self.consumed, self.total_size)
         w = self.num_replicas
         return remaining // w if self.drop_last else -(-remaining // w)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.consumed = 0
-
-    def advance(self, samples: int) -> None:
-        """Record that this rank consumed `samples` more samples (every rank advances alike)."""
-        self.consumed += samples * self.num_replicas
-
-    def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "consumed": self.consumed,
-            "num_replicas": self.num_replicas,
-            "seed": self.seed,
-            "dataset_len": self.dataset_len,
-        }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("dataset_len", self.dataset_len) != self.dataset_len:
-            raise DataError(
-                f"the checkpoint was taken on {state['dataset_len']} samples but the data now has "
-                f"{self.dataset_len}; resume with the same data, or start a new run"
-            )
-        self.epoch = int(state["epoch"])
-        replicas = int(state.get("num_replicas", self.num_replicas))
-        self.consumed = int(state.get("consumed", int(state["position"]) * replicas))
 
 
 # --------------------------------------------------------------------------------------------
@@ -872,7 +886,9 @@ def build_dataloader(
     """A DataLoader over `dataset` in `sampler` order, with dict collation and seeded workers.
 
     `drop_last=True` drops a final partial batch; every rank has the same number of samples,
-    so batch sizes agree across ranks either way. Workers persist across epochs.
+    so batch sizes agree across ranks either way. Workers persist across epochs. A sampler that
+    yields whole batches (trainer.buckets.BucketBatchSampler) is used as the batch sampler, and
+    `batch_size` and `drop_last` are then its business.
     """
     rank = getattr(sampler, "rank", 0)
     generator = torch.Generator()
@@ -883,14 +899,14 @@ def build_dataloader(
         kwargs["worker_init_fn"] = _WorkerSeeder(seed, rank)
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
+    if getattr(sampler, "yields_batches", False):
+        kwargs["batch_sampler"] = sampler
+    else:
+        kwargs.update(batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=drop_last)
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        shuffle=False,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        drop_last=drop_last,
         collate_fn=collate,
         generator=generator,
         **kwargs,
