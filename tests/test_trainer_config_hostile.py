@@ -34,7 +34,14 @@ HOSTILE = {
 #: Keys holding a path or a name the trainer uses as given: any text is a valid value, and what
 #: it names is checked where it is used (the slow test runs one representative of each).
 PATHS_CHECKED_LATER = ("model.path", "data.source", "checkpoint.resume")
-FREE_TEXT = ("data.caption_column", "data.image_column", "data.cache_dir", "output.dir", "sample.prompts")
+FREE_TEXT = (
+    "data.caption_column",
+    "data.image_column",
+    "data.cache_dir",
+    "output.dir",
+    "sample.prompts",
+    "lora.target_modules",
+)
 
 
 def walk() -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:

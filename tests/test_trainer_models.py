@@ -92,3 +92,16 @@ def test_trainer_starts_from_a_saved_model_folder(tmp_path):
     assert exported.vae.config.scaling_factor == 0.5
     assert torch.equal(exported.vae.encoder.conv_in.weight, models.vae.encoder.conv_in.weight)
     assert not torch.equal(exported.unet.conv_in.weight, models.unet.conv_in.weight)
+
+
+def test_sd2_768_v_preset_is_sd2_base_with_v_prediction():
+    from trainer.config import build_config
+
+    counts = {name: count_parameters(m) for name, m in build_on_meta("sd2").items()}
+    assert counts == {"unet": 865_910_724, "vae": 83_653_863, "text_encoder": 340_387_840}
+    cfg = build_config("sd2")
+    assert cfg.data.resolution == 768 and cfg.model.preset == "sd2"
+    from trainer.models import ARCHITECTURES, build_scheduler
+
+    assert build_scheduler(ARCHITECTURES["sd2"]["scheduler"]).config.prediction_type == "v_prediction"
+    assert ARCHITECTURES["sd2-base"]["scheduler"]["prediction_type"] == "epsilon"

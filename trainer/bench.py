@@ -101,6 +101,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "saver": {"train.memory_saver": True},
 }
 VARIANTS["best"] = dict(VARIANTS["bf16w-compiled"])
+# memory levers (trainer.memory_probe runs them with compile off): gradient checkpointing alone,
+# bitsandbytes' 8-bit AdamW (fp32 weights under autocast, 8-bit moments), with checkpointing, and
+# under the memory saver; LoRA rank 16 on the default target layers (frozen bf16 UNet)
+VARIANTS.update(
+    {
+        "gc": {"model.gradient_checkpointing": True},
+        "adamw8bit": {"optim.name": "adamw8bit"},
+        "adamw8bit-gc": {"optim.name": "adamw8bit", "model.gradient_checkpointing": True},
+        "saver-8bit": {"train.memory_saver": True, "optim.name": "adamw8bit"},
+        "lora": {"lora.rank": 16},
+        "lora-gc": {"lora.rank": 16, "model.gradient_checkpointing": True},
+    }
+)
+# speed levers against `default` (compiled): CUDA graphs for the launch gaps of the compiled
+# backward, Triton autotuning, and each attention kernel for attention's backward
+VARIANTS.update(
+    {
+        "default-cudagraphs": {"model.compile_mode": "reduce-overhead"},
+        "default-autotune": {"model.compile_mode": "max-autotune-no-cudagraphs"},
+        "default-flash": {"model.attention_backend": "flash"},
+        "default-cudnn": {"model.attention_backend": "cudnn"},
+        "default-efficient": {"model.attention_backend": "efficient"},
+    }
+)
 
 #: The bench's default plan when --cases is not given: every loop at every batch.
 DEFAULT_LOOPS = ("reference", "default", "best")
@@ -194,7 +218,7 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
 """,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", default="tiny", help="tiny (default) | sd15 | sd2-base")
+    parser.add_argument("--preset", default="tiny", help="tiny (default) | sd15 | sd2-base | sd2 (768-v)")
     parser.add_argument("--resolution", type=int, default=0, help="pixels (default: 32 for tiny, else 512)")
     parser.add_argument("--batch", type=_int_list, default=None, help="per-GPU batches, e.g. 8,16,32")
     parser.add_argument("--nproc", type=_int_list, default=[1], help="GPU (rank) counts, e.g. 1,2")
@@ -227,6 +251,13 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
         metavar="GIB",
         help="largest batch of the --max-batch-variant that fits a card of GIB GiB (bisection, CUDA)",
     )
+    parser.add_argument(
+        "--cap-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="run every case as on a card of GIB GiB: the allocator capped at GIB - 1 (CUDA)",
+    )
     parser.add_argument("--max-batch-variant", default="saver", help="variant for --find-max-batch")
     parser.add_argument("--max-probes", type=int, default=6, help="probe runs for --find-max-batch")
     parser.add_argument("--max-batch-start", type=int, default=4, help="first batch --find-max-batch tries")
@@ -256,8 +287,8 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
         parser.error(
             "--gpu-idle profiles the last two warm-up steps after two untouched ones: use --warmup 4 or more"
         )
-    if args.preset not in ("tiny", "sd15", "sd2-base"):
-        parser.error(f"unknown --preset {args.preset!r}; valid: tiny, sd15, sd2-base")
+    if args.preset not in ("tiny", "sd15", "sd2-base", "sd2"):
+        parser.error(f"unknown --preset {args.preset!r}; valid: tiny, sd15, sd2-base, sd2")
     if not args.resolution:
         args.resolution = 32 if args.preset == "tiny" else 512
     if args.batch is None:
@@ -661,10 +692,17 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 CONTEXT_RESERVE_GIB = 1.0
 
 
+def capped(card_gib: float) -> dict[str, Any]:
+    """run_case's arguments that run a case under the allocator cap of a `card_gib` card (none for 0)."""
+    if not card_gib:
+        return {}
+    cap = (card_gib - CONTEXT_RESERVE_GIB) * GIB
+    return {"wrapper": _CAP_WRAPPER, "env_extra": {"SDDOCTOR_BENCH_CAP_BYTES": str(cap)}}
+
+
 def find_max_batch(args: argparse.Namespace, workdir: Path, start_index: int) -> dict[str, Any]:
     """Doubling then bisection over the batch; each probe is a short trainer run under an allocator cap."""
     cap = (args.find_max_batch - CONTEXT_RESERVE_GIB) * GIB
-    cap_env = {"SDDOCTOR_BENCH_CAP_BYTES": str(cap)}
     probes: list[dict[str, Any]] = []
     fits, fails = 0, 0
     batch = args.max_batch_start
@@ -674,7 +712,7 @@ def find_max_batch(args: argparse.Namespace, workdir: Path, start_index: int) ->
         nonlocal index
         index += 1
         case = Case(args.max_batch_variant, b, 1, label=f"maxbatch-{args.max_batch_variant}")
-        row = run_case(args, case, workdir, index, wrapper=_CAP_WRAPPER, steps=2, warmup=1, env_extra=cap_env)
+        row = run_case(args, case, workdir, index, steps=2, warmup=1, **capped(args.find_max_batch))
         text = Path(row.log).read_text(encoding="utf-8", errors="replace") if row.log else ""
         oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
         fitted = row.ok and not row.extra.get("note")
@@ -804,7 +842,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['preset']} at {report['resolution']} px on {report['device']} | torch {report.get('torch')} | "
         f"UNet fwd+bwd {report['tflop_per_image']:.4g} TFLOP/image | "
         f"bf16 matmul peak {_maybe(report.get('peak_tflops'), '{:.0f} TFLOP/s')} | "
-        f"{report['warmup']} warm-up + {report['steps']} timed steps",
+        f"{report['warmup']} warm-up + {report['steps']} timed steps"
+        + (f" | as on a {report['cap_gib']:g} GiB card" if report.get("cap_gib") else ""),
         "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
     ]
     for b in body:
@@ -845,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.budget and elapsed + typical > args.budget:
             row = Row(case, ok=False, error=f"skipped: --budget {args.budget:g}s reached")
         else:
-            row = run_case(args, case, workdir, index)
+            row = run_case(args, case, workdir, index, **capped(args.cap_gib))
         rows.append(row)
         status = f"{row.images_s:.1f} images/s" if row.ok else row.error
         print(
@@ -891,6 +930,7 @@ def make_report(
         "steps": args.steps,
         "warmup": args.warmup,
         "gpu_idle": args.gpu_idle,
+        "cap_gib": args.cap_gib or None,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workdir": str(workdir),
         "rows": [r.as_dict(flops, device.get("peak_tflops")) for r in rows],

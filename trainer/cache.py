@@ -215,11 +215,17 @@ class _ShardWriter:
         self.rows = rows
         self.arrays: dict[str, np.memmap] = {}
 
-    def write(self, name: str, offset: int, values: torch.Tensor | np.ndarray) -> None:
+    def write(
+        self, name: str, offset: int, values: torch.Tensor | np.ndarray, rows: int | None = None
+    ) -> None:
+        """Rows [offset, offset + len(values)) of array `name` (of `rows` rows, default the shard's)."""
         block = _to_numpy(values) if isinstance(values, torch.Tensor) else values
         if name not in self.arrays:
             self.arrays[name] = np.lib.format.open_memmap(
-                self.tmp / f"{name}.npy", mode="w+", dtype=block.dtype, shape=(self.rows, *block.shape[1:])
+                self.tmp / f"{name}.npy",
+                mode="w+",
+                dtype=block.dtype,
+                shape=(self.rows if rows is None else rows, *block.shape[1:]),
             )
         self.arrays[name][offset : offset + len(block)] = block
 
@@ -302,7 +308,35 @@ def _encode_images(
     num_workers: int,
     with_flip: bool,
 ) -> list[str]:
-    """Encode `indices` into `writer` (index, mean, std[, mean_flip, std_flip]); return load errors."""
+    """Encode `indices` into `writer` (index, mean, std[, mean_flip, std_flip]); return load errors.
+
+    Items of one size share arrays: one group without aspect-ratio buckets (`mean.npy`, ...), one
+    per bucket with them (`mean.512x512.npy`, `index.512x512.npy`, ...).
+    """
+    groups: dict[str, list[int]] = {}
+    for index in indices:
+        suffix = "" if dataset.target_sizes is None else ".{}x{}".format(*dataset.target_size(index))
+        groups.setdefault(suffix, []).append(index)
+    errors: list[str] = []
+    for suffix, members in groups.items():
+        errors += _encode_group(
+            writer, dataset, members, suffix, vae, device, dtype, batch_size, num_workers, with_flip
+        )
+    return errors
+
+
+def _encode_group(
+    writer: _ShardWriter,
+    dataset: AugmentedDataset,
+    indices: Sequence[int],
+    suffix: str,
+    vae: torch.nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_size: int,
+    num_workers: int,
+    with_flip: bool,
+) -> list[str]:
     loader = DataLoader(
         _EncodeView(dataset, indices),
         batch_size=batch_size,
@@ -312,7 +346,8 @@ def _encode_images(
     )
     errors: list[str] = []
     in_dtype = _model_dtype(vae)
-    writer.write("index", 0, np.asarray(list(indices), dtype=np.int64))
+    rows = len(indices)
+    writer.write("index" + suffix, 0, np.asarray(list(indices), dtype=np.int64), rows)
     offset = 0
     for batch in loader:
         pixels = batch["pixel_values"].to(device=device, dtype=in_dtype, non_blocking=True)
@@ -323,12 +358,12 @@ def _encode_images(
             latent_dist = vae.encode(pixels).latent_dist
         mean, std = latent_dist.mean.to(dtype), latent_dist.std.to(dtype)
         n = len(batch["index"])
-        writer.write("source", offset, batch["source"].numpy())
-        writer.write("mean", offset, mean[:n])
-        writer.write("std", offset, std[:n])
+        writer.write("source" + suffix, offset, batch["source"].numpy(), rows)
+        writer.write("mean" + suffix, offset, mean[:n], rows)
+        writer.write("std" + suffix, offset, std[:n], rows)
         if with_flip:
-            writer.write("mean_flip", offset, mean[n:])
-            writer.write("std_flip", offset, std[n:])
+            writer.write("mean_flip" + suffix, offset, mean[n:], rows)
+            writer.write("std_flip" + suffix, offset, std[n:], rows)
         offset += n
     return errors
 
@@ -406,13 +441,13 @@ class CachedDataset(Dataset):
         image_loc = np.full((n_items, 2), -1, dtype=np.int64)
         text_loc = np.full((n_captions, 2), -1, dtype=np.int64)
         images, texts = [], []
-        for shard, name in enumerate(self.manifest["image_shards"]):
-            arrays = {p.stem: np.load(p, mmap_mode="r") for p in (self.path / name).glob("*.npy")}
-            image_loc[arrays["index"], 0] = shard
-            image_loc[arrays["index"], 1] = np.arange(len(arrays["index"]))
-            if "source" in arrays:
-                self.source[arrays["index"]] = arrays["source"]
-            images.append(arrays)
+        for name in self.manifest["image_shards"]:
+            for arrays in _groups(self.path / name):
+                image_loc[arrays["index"], 0] = len(images)
+                image_loc[arrays["index"], 1] = np.arange(len(arrays["index"]))
+                if "source" in arrays:
+                    self.source[arrays["index"]] = arrays["source"]
+                images.append(arrays)
         for shard, name in enumerate(self.manifest["caption_shards"]):
             arrays = {p.stem: np.load(p, mmap_mode="r") for p in (self.path / name).glob("*.npy")}
             text_loc[arrays["ids"], 0] = shard
@@ -439,8 +474,8 @@ class CachedDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} items")
         self._open()
-        shard, row = self._image_loc[index]
-        arrays = self._images[shard]
+        group, row = self._image_loc[index]
+        arrays = self._images[group]
         flipped = self.random_flip and flip_decision(self.seed, epoch, index)
         suffix = "_flip" if flipped else ""
         source = int(self.source[index])
@@ -453,6 +488,15 @@ class CachedDataset(Dataset):
             "index": index,
             "caption": self.captions_list[source],
         }
+
+
+def _groups(shard: Path) -> list[dict[str, np.ndarray]]:
+    """The arrays of a shard by group (one per bucket size, or one), keyed without the group's suffix."""
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    for path in shard.glob("*.npy"):
+        name, _, size = path.stem.partition(".")
+        groups.setdefault(size, {})[name] = np.load(path, mmap_mode="r")
+    return [groups[size] for size in sorted(groups)]
 
 
 def sample_latents(
@@ -585,7 +629,7 @@ def build_cache(
                 log.warning("rank %d cannot see cache shard %d in %s; encoding it locally", rank, r, entry)
                 encode_shard(r)
         if not (entry / "manifest.json").is_file():
-            sample = np.load(entry / image_shards[0] / "mean.npy", mmap_mode="r")
+            sample = np.load(sorted((entry / image_shards[0]).glob("mean.*npy"))[0], mmap_mode="r")
             manifest = {
                 "format": CACHE_FORMAT,
                 "key": key,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import DataConfig
+from trainer.lora import LoraConfig
 from trainer.step_profile import parse_steps
 
 
@@ -61,6 +62,9 @@ class ModelConfig:
     """Create preset models with random weights directly on the GPU (seconds instead of a minute on the host)."""
     offload_frozen: bool = False
     """With data.cache: move the VAE and text encoder to host memory once the cache is built."""
+    attention_backend: str = "auto"
+    """auto (PyTorch picks per call) | flash | cudnn | efficient | math: the only kernel
+    F.scaled_dot_product_attention may use (CUDA; for measuring attention's share of the step)."""
 
 
 @dataclass
@@ -108,6 +112,9 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """adamw | adamw8bit (bitsandbytes' 8-bit AdamW: 2 bytes of moments per parameter instead of 8;
+    CUDA only, `pip install 'sddoctor[bnb]'`; the UNet then keeps fp32 weights under autocast)."""
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 1e-2
@@ -184,6 +191,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 DIGIT_PROMPTS = [
@@ -231,6 +239,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "sd15": _sd_settings(),
     "sd2-base": _sd_settings(),
+    "sd2": {**_sd_settings(), "data.resolution": 768},
 }
 
 
@@ -247,6 +256,8 @@ MEMORY_SAVER: dict[str, Any] = {
     "train.ema_dtype": "bf16",
     "data.cache": True,
 }
+#: The saver's keys that choose the optimizer's precision; left alone with optim.name=adamw8bit.
+SAVER_PRECISION = ("model.unet_dtype", "optim.state_dtype", "optim.master_weights")
 
 
 # -- building ------------------------------------------------------------------------------
@@ -277,6 +288,8 @@ def build_config(
         set_key(cfg, key, raw, source="--set", from_text=True)
     if cfg.train.memory_saver:
         for key, value in MEMORY_SAVER.items():
+            if cfg.optim.name == "adamw8bit" and key in SAVER_PRECISION:
+                continue  # 8-bit AdamW brings its own optimizer memory saving, on fp32 weights
             if key not in set_values and key not in file_values:
                 set_key(cfg, key, value, source="train.memory_saver")
     cfg.model.preset = chosen
@@ -482,6 +495,14 @@ _BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
 _STEPS = _int(0, 10**9)
 _SEED = _int(0, 2**32 - 1)
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_LAYER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+
+def _optional_size(rule: Rule) -> Rule:
+    """0 (derived from the model and data.resolution) or `rule`."""
+    return Rule(
+        lambda v: v == 0 and not isinstance(v, bool) or rule.check(v), f"0 (automatic) or {rule.allowed}"
+    )
 
 
 def _profile_steps(value: Any) -> bool:
@@ -512,6 +533,7 @@ RULES: dict[str, Rule] = {
     "model.unet_dtype": _choice("fp32", "bf16", "auto"),
     "model.init_on_device": _BOOL,
     "model.offload_frozen": _BOOL,
+    "model.attention_backend": _choice("auto", "flash", "cudnn", "efficient", "math"),
     "data.source": _text(nonempty=True, what="'digits' or a folder path"),
     "data.resolution": _int(8, 8192, multiple=8),
     "data.center_crop": _BOOL,
@@ -523,6 +545,10 @@ RULES: dict[str, Rule] = {
     "data.cache": _BOOL,
     "data.cache_dir": _optional(_text(what="a folder path")),
     "data.verify_images": _BOOL,
+    "data.buckets": _BOOL,
+    "data.bucket_step": _optional_size(_int(8, 8192, multiple=8)),
+    "data.bucket_min": _optional_size(_int(8, 8192, multiple=8)),
+    "data.bucket_max": _optional_size(_int(8, 16384, multiple=8)),
     "train.seed": _SEED,
     "train.max_steps": _int(1, 10**9),
     "train.micro_batch": _int(1, 65536),
@@ -544,6 +570,7 @@ RULES: dict[str, Rule] = {
     "train.profile_steps": Rule(
         _profile_steps, "'' (off) or FIRST-LAST step numbers from 1 to 1,000,000,000, e.g. 11-13"
     ),
+    "optim.name": _choice("adamw", "adamw8bit"),
     "optim.lr": _float(0, low_open=True),
     "optim.betas": _each(_float(0, 1, high_open=True), "two numbers in [0, 1), e.g. 0.9,0.999"),
     "optim.weight_decay": _float(0),
@@ -579,6 +606,18 @@ RULES: dict[str, Rule] = {
     ),
     "output.dir": _text(what="'' (./runs/NAME) or a folder path"),
     "output.export": _BOOL,
+    "lora.rank": _int(0, 1024),
+    "lora.alpha": _float(0, 1e6),
+    "lora.target_modules": Rule(
+        lambda v: (
+            isinstance(v, list)
+            and bool(v)
+            and all(isinstance(x, str) and _LAYER_NAME.fullmatch(x) for x in v)
+        ),
+        "a non-empty list of layer names (letters, digits, '_', dotted), e.g. to_k;to_q;to_v;to_out.0",
+    ),
+    "lora.dropout": _float(0, 1, high_open=True),
+    "lora.export_merged": _BOOL,
 }
 
 
@@ -602,6 +641,25 @@ def validate(cfg: Config) -> None:
         if not rule.check(value):
             shown = list(value) if isinstance(value, tuple) else value
             raise ConfigError(f"config key {key!r} is {shown!r}; allowed: {rule.allowed}")
+    for key, allowed in _conflicts(cfg):
+        raise ConfigError(f"config key {key!r} is {get_key(cfg, key)!r}; allowed: {allowed}")
+
+
+def _conflicts(cfg: Config) -> list[tuple[str, str]]:
+    """Values that are valid alone but not together: (key, what is allowed given the other key)."""
+    found = []
+    if cfg.optim.name == "adamw8bit" and cfg.model.unet_dtype == "bf16":
+        found.append(
+            (
+                "optim.name",
+                "adamw (or model.unet_dtype=fp32/auto with adamw8bit): 8-bit AdamW keeps no fp32 master copy, "
+                "so bf16 weights would round its small updates away",
+            )
+        )
+    data = cfg.data
+    if data.bucket_min and data.bucket_max and data.bucket_min > data.bucket_max:
+        found.append(("data.bucket_min", f"at most data.bucket_max ({data.bucket_max})"))
+    return found
 
 
 def get_key(cfg: Config, key: str) -> Any:

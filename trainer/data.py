@@ -98,6 +98,12 @@ class DataConfig:
     cache: bool = False  # precompute VAE latents and text embeddings (trainer/cache.py)
     cache_dir: str | None = None  # default: $SDDOCTOR_CACHE_DIR or ~/.cache/sddoctor/latents
     verify_images: bool = True  # open and verify every image while indexing the folder
+    # Aspect-ratio buckets (trainer/buckets.py): each image is resized to the bucket of about
+    # resolution^2 pixels nearest its aspect ratio instead of a centre square; a batch holds one bucket.
+    buckets: bool = False
+    bucket_step: int = 0  # bucket sides are multiples of this; 0: the smallest the model allows
+    bucket_min: int = 0  # shortest bucket side; 0: resolution / 2
+    bucket_max: int = 0  # longest bucket side; 0: resolution * 2
 
 
 class SampleKey(NamedTuple):
@@ -133,12 +139,14 @@ def flip_decision(seed: int, epoch: int, index: int) -> bool:
 
 
 def crop_offsets(
-    seed: int, epoch: int, index: int, size: tuple[int, int], resolution: int
+    seed: int, epoch: int, index: int, size: tuple[int, int], resolution: int | tuple[int, int]
 ) -> tuple[int, int]:
-    """Random crop origin (left, top) for an image of `size` (w, h) already resized."""
+    """Random crop origin (left, top) of a `resolution` square (or (w, h) bucket) in an image of
+    `size` (w, h) already resized."""
     w, h = size
+    tw, th = (resolution, resolution) if isinstance(resolution, int) else resolution
     rng = _rng(seed, epoch, index, 0)
-    return int(rng.integers(0, w - resolution + 1)), int(rng.integers(0, h - resolution + 1))
+    return int(rng.integers(0, w - tw + 1)), int(rng.integers(0, h - th + 1))
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -172,6 +180,8 @@ class AugmentedDataset(Dataset):
         self.skipped: list[SkippedFile] = []
         self._failed_indices: set[int] = set()
         self._named_warnings = 0
+        #: (w, h) each item is cropped to: its aspect-ratio bucket (trainer/buckets.py); None: squares
+        self.target_sizes: list[tuple[int, int]] | None = None
 
     # subclasses provide these
     def __len__(self) -> int:
@@ -194,25 +204,40 @@ class AugmentedDataset(Dataset):
         """Epoch used when indexed with a plain int (the sampler's keys carry their own)."""
         self.epoch = epoch
 
+    def set_target_sizes(self, sizes: list[tuple[int, int]]) -> None:
+        """Crop item i to sizes[i] (w, h) instead of the resolution square (aspect-ratio buckets)."""
+        if len(sizes) != len(self):
+            raise ValueError(f"{len(sizes)} target sizes for {len(self)} items")
+        self.target_sizes = list(sizes)
+
+    def _buckets_tag(self) -> bytes:
+        """The items' bucket sizes for the fingerprint (nothing without buckets: earlier keys hold)."""
+        return b"" if self.target_sizes is None else json.dumps(self.target_sizes).encode()
+
+    def target_size(self, index: int) -> tuple[int, int]:
+        res = self.cfg.resolution
+        return self.target_sizes[index] if self.target_sizes is not None else (res, res)
+
     def captions(self) -> list[str]:
         return [self.caption(i) for i in range(len(self))]
 
     def transform(self, image: Image.Image, index: int, epoch: int, flip: bool | None = None) -> torch.Tensor:
-        """Resize (shorter side to R), crop to R x R, flip; `flip=None` draws it from the seed."""
-        res = self.cfg.resolution
+        """Resize to cover the item's target (R x R, or its bucket), crop to it, flip; `flip=None`
+        draws the flip from the seed."""
+        tw, th = self.target_size(index)
         image = image.convert("RGB")
         w, h = image.size
-        scale = res / min(w, h)
-        new_size = (max(res, round(w * scale)), max(res, round(h * scale)))
+        scale = max(tw / w, th / h)
+        new_size = (max(tw, round(w * scale)), max(th, round(h * scale)))
         if new_size != (w, h):
             image = image.resize(new_size, Image.Resampling.BILINEAR)
         w, h = new_size
         if self.cfg.center_crop:
-            left, top = (w - res) // 2, (h - res) // 2
+            left, top = (w - tw) // 2, (h - th) // 2
         else:
-            left, top = crop_offsets(self.seed, epoch, index, (w, h), res)
-        if (w, h) != (res, res):
-            image = image.crop((left, top, left + res, top + res))
+            left, top = crop_offsets(self.seed, epoch, index, (w, h), (tw, th))
+        if (w, h) != (tw, th):
+            image = image.crop((left, top, left + tw, top + th))
         pixels = to_tensor(image)
         if flip is None:
             flip = self.cfg.random_flip and flip_decision(self.seed, epoch, index)
@@ -302,6 +327,7 @@ class DigitsDataset(AugmentedDataset):
         h.update(self.images.tobytes())
         h.update(self.labels.tobytes())
         h.update(_transform_tag(self.cfg, self.seed).encode())
+        h.update(self._buckets_tag())
         return h.hexdigest()
 
 
@@ -357,6 +383,7 @@ class FolderDataset(AugmentedDataset):
         for record, (size, mtime) in zip(self.records, self._stats, strict=True):
             rel = os.path.relpath(record.path, self.root)
             h.update(json.dumps([rel, size, mtime, record.caption]).encode())
+        h.update(self._buckets_tag())
         return h.hexdigest()
 
 
@@ -661,7 +688,55 @@ def build_dataset(cfg: DataConfig, seed: int = 0, verbose: bool = True) -> Augme
 # Sampling
 
 
-class ResumableDistributedSampler(Sampler[SampleKey]):
+class EpochPosition:
+    """Where a resumable sampler stands: the epoch and the samples all ranks consumed in it.
+
+    The training loop calls `advance(n)` with what this rank consumed; `state_dict()` is what a
+    checkpoint saves, `load_state_dict()` restores it (refusing data of another size).
+    """
+
+    epoch: int
+    consumed: int
+    num_replicas: int
+    seed: int
+    dataset_len: int
+
+    @property
+    def position(self) -> int:
+        """Samples this rank consumed in the current epoch."""
+        return self.consumed // self.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.consumed = 0
+
+    def advance(self, samples: int) -> None:
+        """Record that this rank consumed `samples` more samples (every rank advances alike)."""
+        self.consumed += samples * self.num_replicas
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "consumed": self.consumed,
+            "num_replicas": self.num_replicas,
+            "seed": self.seed,
+            "dataset_len": self.dataset_len,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("dataset_len", self.dataset_len) != self.dataset_len:
+            raise DataError(
+                f"the checkpoint was taken on {state['dataset_len']} samples but the data now has "
+                f"{self.dataset_len}; resume with the same data, or start a new run"
+            )
+        self.epoch = int(state["epoch"])
+        replicas = int(state.get("num_replicas", self.num_replicas))
+        self.consumed = int(state.get("consumed", int(state["position"]) * replicas))
+
+
+class ResumableDistributedSampler(EpochPosition, Sampler[SampleKey]):
     """DistributedSampler that can stop and resume mid-epoch exactly.
 
     Each epoch has one global order (a permutation seeded by `seed + epoch` when shuffling),
@@ -719,11 +794,6 @@ class ResumableDistributedSampler(Sampler[SampleKey]):
         """Samples per rank in a whole epoch."""
         return self.total_size // self.num_replicas
 
-    @property
-    def position(self) -> int:
-        """Samples this rank consumed in the current epoch."""
-        return self.consumed // self.num_replicas
-
     def _order(self) -> torch.Tensor:
         """The epoch's global order of all items (same on every rank)."""
         n = self.dataset_len
@@ -754,35 +824,6 @@ class ResumableDistributedSampler(Sampler[SampleKey]):
         remaining = self.total_size - min(self.consumed, self.total_size)
         w = self.num_replicas
         return remaining // w if self.drop_last else -(-remaining // w)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.consumed = 0
-
-    def advance(self, samples: int) -> None:
-        """Record that this rank consumed `samples` more samples (every rank advances alike)."""
-        self.consumed += samples * self.num_replicas
-
-    def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "consumed": self.consumed,
-            "num_replicas": self.num_replicas,
-            "seed": self.seed,
-            "dataset_len": self.dataset_len,
-        }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("dataset_len", self.dataset_len) != self.dataset_len:
-            raise DataError(
-                f"the checkpoint was taken on {state['dataset_len']} samples but the data now has "
-                f"{self.dataset_len}; resume with the same data, or start a new run"
-            )
-        self.epoch = int(state["epoch"])
-        replicas = int(state.get("num_replicas", self.num_replicas))
-        self.consumed = int(state.get("consumed", int(state["position"]) * replicas))
 
 
 # --------------------------------------------------------------------------------------------
@@ -845,7 +886,9 @@ def build_dataloader(
     """A DataLoader over `dataset` in `sampler` order, with dict collation and seeded workers.
 
     `drop_last=True` drops a final partial batch; every rank has the same number of samples,
-    so batch sizes agree across ranks either way. Workers persist across epochs.
+    so batch sizes agree across ranks either way. Workers persist across epochs. A sampler that
+    yields whole batches (trainer.buckets.BucketBatchSampler) is used as the batch sampler, and
+    `batch_size` and `drop_last` are then its business.
     """
     rank = getattr(sampler, "rank", 0)
     generator = torch.Generator()
@@ -856,14 +899,14 @@ def build_dataloader(
         kwargs["worker_init_fn"] = _WorkerSeeder(seed, rank)
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
+    if getattr(sampler, "yields_batches", False):
+        kwargs["batch_sampler"] = sampler
+    else:
+        kwargs.update(batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=drop_last)
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        shuffle=False,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        drop_last=drop_last,
         collate_fn=collate,
         generator=generator,
         **kwargs,

@@ -13,6 +13,16 @@ folder; `StableDiffusionPipeline.from_single_file(folder / "NAME.safetensors", c
 local_files_only=True)` loads the single file with the folder's configs, nothing fetched. With
 EMA on, the UNet written is the EMA one. Everything is written to a temporary folder first and
 renamed into place.
+
+A LoRA run (`lora.rank > 0`) exports its adapter instead (`export_lora`):
+
+    export/
+      pytorch_lora_weights.safetensors   diffusers' LoRA layout: pipe.load_lora_weights("export")
+      lora.json                          rank, alpha, target layers, the base model it applies to
+      base/                              the base pipeline as above, when it exists nowhere else
+                                         (a preset built from scratch; with --model it is that folder)
+      merged/                            with lora.export_merged=true: a pipeline with the adapter
+                                         merged into the UNet's weights (plus merged/NAME.safetensors)
 """
 
 from __future__ import annotations
@@ -24,19 +34,88 @@ from pathlib import Path
 
 import torch
 
+from trainer import lora as lora_adapters
 from trainer.ldm_layout import single_file_state, text_encoder_keys
+from trainer.lora import LoraConfig
 from trainer.models import Models
 from trainer.optim import EMA
 from trainer.safe_state import write_safetensors
 from trainer.sample import build_pipeline, ema_weights
 
 
+def export_model(
+    models: Models,
+    unet: torch.nn.Module,
+    out_dir: Path,
+    ema: EMA | None = None,
+    single_file: str = "model",
+    lora: LoraConfig | None = None,
+) -> Path:
+    """The run's export: the whole pipeline, or with `lora` (a LoRA run's settings) the adapter."""
+    if lora is not None:
+        return export_lora(models, unet, out_dir, lora, ema, single_file)
+    return export_pipeline(models, unet, out_dir, ema, single_file)
+
+
+def export_lora(
+    models: Models,
+    unet: torch.nn.Module,
+    out_dir: Path,
+    lora: LoraConfig,
+    ema: EMA | None = None,
+    single_file: str = "model",
+) -> Path:
+    """Write a LoRA run's export folder atomically (see the module doc). Returns its path."""
+    from diffusers import StableDiffusionPipeline
+
+    tmp = _fresh_tmp(out_dir)
+    with ema_weights(unet, ema):
+        tmp.mkdir(parents=True)
+        StableDiffusionPipeline.save_lora_weights(
+            tmp, unet_lora_layers=lora_adapters.diffusers_adapter(unet), safe_serialization=True
+        )
+        info = {
+            "rank": lora.rank,
+            "alpha": lora.alpha or lora.rank,
+            "target_modules": list(lora.target_modules),
+            "scale_folded_into_up_weights": (lora.alpha or lora.rank) / lora.rank,
+            "base": "base/" if models.from_scratch else models.source,
+        }
+        (tmp / "lora.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        if models.from_scratch:
+            export_pipeline(
+                models, lora_adapters.plain_unet(unet, merge=False), tmp / "base", None, single_file
+            )
+        if lora.export_merged:
+            export_pipeline(
+                models, lora_adapters.plain_unet(unet, merge=True), tmp / "merged", None, single_file
+            )
+    _replace(tmp, out_dir)
+    return out_dir
+
+
+def _fresh_tmp(out_dir: Path) -> Path:
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _replace(tmp: Path, out_dir: Path) -> None:
+    """Move the finished `tmp` folder to `out_dir`, replacing an earlier export in one rename."""
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)
+
+
 def export_pipeline(
     models: Models, unet: torch.nn.Module, out_dir: Path, ema: EMA | None = None, single_file: str = "model"
 ) -> Path:
     """Write the diffusers folder (and `single_file`.safetensors in it) atomically. Returns its path."""
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _fresh_tmp(out_dir)
     with ema_weights(unet, ema):
         pipe = build_pipeline(models, unet)
         pipe.save_pretrained(tmp, safe_serialization=True)
@@ -47,13 +126,7 @@ def export_pipeline(
             unet.state_dict(), models.vae.state_dict(), models.text_encoder.state_dict()
         )
         write_safetensors(tmp / f"{single_file}.safetensors", weights, {"format": "pt"})
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
+    _replace(tmp, out_dir)
     return out_dir
 
 

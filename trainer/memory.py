@@ -38,6 +38,14 @@ from typing import Any, NamedTuple
 import torch
 
 
+def unet_weights_bf16(unet_dtype: str, optimizer: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the UNet's weights are bf16: `model.unet_dtype=bf16`, or `auto` when training in
+    bf16 on CUDA with an optimizer that keeps an fp32 master copy (not 8-bit AdamW)."""
+    if unet_dtype == "auto":
+        return dtype == torch.bfloat16 and device.type == "cuda" and optimizer == "adamw"
+    return unet_dtype == "bf16"
+
+
 def _round_bits_(bits: torch.Tensor, generator: torch.Generator | None) -> None:
     """Stochastic rounding of fp32 values to bf16, in place on their int32 view: bf16 is the upper half
     of an fp32 bit pattern, so adding a uniform random 16-bit integer to the lower half and clearing

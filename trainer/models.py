@@ -5,6 +5,7 @@ Presets build real architectures with random weights (no downloads):
     tiny      a few hundred thousand parameters; trains on 2 CPU cores in a minute or two
     sd15      Stable Diffusion 1.5 (UNet 859.5M, VAE 83.7M, CLIP ViT-L/14 text encoder 123.1M)
     sd2-base  Stable Diffusion 2 base (UNet 865.9M, VAE 83.7M, OpenCLIP-H text encoder 23 layers 340.4M)
+    sd2       Stable Diffusion 2 (768-v): sd2-base's architecture, v-prediction, 768 px
 
 `model.path` loads a diffusers folder (unet/ vae/ text_encoder/ tokenizer/ scheduler/) instead.
 Presets bring a tokenizer written from code: CLIP's byte-level alphabet plus whole-word merges
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-PRESET_NAMES = ("tiny", "sd15", "sd2-base")
+PRESET_NAMES = ("tiny", "sd15", "sd2-base", "sd2")
 
 _SD_SCHEDULER = dict(
     num_train_timesteps=1000,
@@ -327,3 +328,40 @@ def build_on_meta(preset: str) -> dict[str, torch.nn.Module]:
             "vae": build_vae(arch["vae"]),
             "text_encoder": build_text_encoder(arch["text_encoder"]),
         }
+
+
+#: model.attention_backend -> the one SDPA kernel left enabled (torch.backends.cuda switches).
+_SDPA_SWITCHES = {
+    "flash": "enable_flash_sdp",
+    "efficient": "enable_mem_efficient_sdp",
+    "cudnn": "enable_cudnn_sdp",
+    "math": "enable_math_sdp",
+}
+
+
+def set_attention_backend(name: str) -> None:
+    """Leave only the named kernel enabled for F.scaled_dot_product_attention (diffusers'
+    AttnProcessor2_0), process-wide; `auto` leaves PyTorch's choice alone. The switches are read
+    when each call picks its kernel, so they hold inside compiled graphs too (SDPA stays a call
+    into ATen there)."""
+    if name == "auto":
+        return
+    for backend, switch in _SDPA_SWITCHES.items():
+        toggle = getattr(torch.backends.cuda, switch, None)
+        if toggle is not None:  # cuDNN attention's switch exists from torch 2.2 on
+            toggle(backend == name)
+
+
+def side_step(models: Models) -> int:
+    """The step image sides must be multiples of: the VAE's factor times the UNet's downsampling
+    (64 px for Stable Diffusion, 8 for the tiny preset)."""
+    return vae_scale_factor(models.vae) * 2 ** (len(models.unet.config.block_out_channels) - 1)
+
+
+# Stable Diffusion 2 (768-v): the same networks as 2-base; the noise is predicted as v, at 768 px.
+ARCHITECTURES["sd2"] = {
+    **ARCHITECTURES["sd2-base"],
+    "unet": dict(ARCHITECTURES["sd2-base"]["unet"], sample_size=96),
+    "vae": dict(_SD_VAE, sample_size=768),
+    "scheduler": dict(_SD_SCHEDULER, prediction_type="v_prediction"),
+}

@@ -7,8 +7,62 @@ import math
 
 import torch
 
-from trainer.config import OptimConfig
-from trainer.memory import Float32Workspace, chunk_slices, stochastic_round_staged
+from trainer.config import ConfigError, OptimConfig
+from trainer.memory import Float32Workspace, MixedPrecisionAdamW, chunk_slices, stochastic_round_staged
+
+
+class OptimizerUnavailable(ConfigError):
+    """An optimizer this machine cannot run (8-bit AdamW without CUDA or bitsandbytes). Exit code 2."""
+
+
+def check_optimizer(cfg: OptimConfig, device: torch.device) -> None:
+    """OptimizerUnavailable when `optim.name` cannot run here: called once the device is known,
+    before data or models are built, so that the run stops at once with the fix."""
+    if cfg.name != "adamw8bit":
+        return
+    if device.type != "cuda":
+        raise OptimizerUnavailable(
+            f"optim.name=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit AdamW) and this run is on "
+            f"{device.type}: use optim.name=adamw, or save optimizer memory with optim.state_dtype=bf16 "
+            "or train.memory_saver=true"
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - missing, or installed without a usable CUDA library
+        raise OptimizerUnavailable(
+            f"optim.name=adamw8bit needs bitsandbytes ({type(exc).__name__}: {str(exc)[:120]}): "
+            "pip install 'sddoctor[bnb]' (or pip install bitsandbytes), or use optim.name=adamw"
+        ) from None
+
+
+def build_training_optimizer(
+    params: list[torch.nn.Parameter], cfg: OptimConfig, device: torch.device, bf16_weights: bool
+) -> torch.optim.Optimizer:
+    """The trainer's optimizer for `params`, as `optim.*` and the UNet's weight dtype ask:
+
+    adamw8bit       bitsandbytes' AdamW8bit (fp32 weights; 8-bit moments, block-wise quantised)
+    bf16 weights or bf16 moments
+                    MixedPrecisionAdamW (fp32 master copy, or bf16 moments + stochastic rounding)
+    otherwise       torch's AdamW (fused on CUDA)
+    """
+    if cfg.name == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    if bf16_weights or cfg.state_dtype == "bf16":
+        return MixedPrecisionAdamW(
+            params,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            master_weights=cfg.master_weights,
+            state_dtype=torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32,
+            fused=None if cfg.fused == "auto" else cfg.fused == "true",
+        )
+    return build_optimizer(params, cfg, device)
 
 
 def build_optimizer(

@@ -227,9 +227,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.preset not in ("tiny", "sd15", "sd2-base"):
+    if args.preset not in ("tiny", "sd15", "sd2-base", "sd2"):
         print(
-            f"reference: error: unknown preset {args.preset!r}; valid: tiny, sd15, sd2-base", file=sys.stderr
+            f"reference: error: unknown preset {args.preset!r}; valid: tiny, sd15, sd2-base, sd2",
+            file=sys.stderr,
         )
         return EXIT_BAD_INPUT
     result = run(args)

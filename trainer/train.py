@@ -36,6 +36,7 @@ from sddoctor.instrument import api as sdi
 from sddoctor.instrument.oom_guard import OOMGuard, OOMGuardError
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.schema import EventKind
+from trainer.buckets import build_bucket_loader, check_bucket_settings, prepare_buckets
 from trainer.cache import build_cache
 from trainer.checkpoint import (
     CheckpointError,
@@ -49,12 +50,20 @@ from trainer.checkpoint import (
 )
 from trainer.config import Config, ConfigError, build_config, to_dict, to_toml
 from trainer.data import DataError, ResumableDistributedSampler, build_dataloader, build_dataset
-from trainer.export import export_pipeline
-from trainer.memory import CastInputs, MixedPrecisionAdamW
-from trainer.models import ModelLoadError, build_models, check_model_fits, count_parameters
+from trainer.export import export_model
+from trainer.lora import add_lora, describe_lora, load_unet_state, unet_state
+from trainer.memory import CastInputs, unet_weights_bf16
+from trainer.models import (
+    ModelLoadError,
+    build_models,
+    check_model_fits,
+    count_parameters,
+    set_attention_backend,
+    side_step,
+)
 from trainer.nonfinite import NonFiniteError, NonFiniteWatch
 from trainer.objective import DiffusionObjective
-from trainer.optim import EMA, build_lr_scheduler, build_optimizer
+from trainer.optim import EMA, build_lr_scheduler, build_training_optimizer, check_optimizer
 from trainer.progress import ProgressLine, StepReporter, memory_bytes
 from trainer.sample import ema_weights, sample_grid, save_grid
 from trainer.step import batch_size, run_step
@@ -108,7 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--preset", help="tiny (default) | sd15 | sd2-base")
+    parser.add_argument("--preset", help="tiny (default) | sd15 | sd2-base | sd2 (768-v)")
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file of config values ([train] max_steps = 100)"
     )
@@ -379,6 +388,8 @@ class Trainer:
             torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
             torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
             torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+            set_attention_backend(cfg.model.attention_backend)
+        check_optimizer(cfg.optim, device)
 
         # Bad input (data folder, --resume target) fails here, before any model is built.
         ckpt_root = self.out_dir / "checkpoints"
@@ -416,17 +427,20 @@ class Trainer:
             models.noise_scheduler = type(models.noise_scheduler).from_config(models.noise_scheduler.config)
         unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
         check_model_fits(models, cfg.data.resolution, cfg.sample.steps)
+        lora_base = add_lora(unet, cfg.lora)  # None: the whole UNet trains
+        if cfg.data.buckets:
+            check_bucket_settings(cfg.data, side_step(models))
         self.log(
             f"model {models.source}: unet {count_parameters(unet):,} | vae {count_parameters(vae):,} | "
             f"text encoder {count_parameters(text_encoder):,} params | {d.world_size} rank(s), {d.backend}, "
             f"{device.type}, {str(dtype).removeprefix('torch.')}"
         )
+        if lora_base is not None:
+            self.log(describe_lora(unet, cfg.lora))
         unet.to(device)
         # bf16 weights: no per-forward weight casts and no fp32 GroupNorm round trips under
         # autocast; the optimizer keeps the fp32 master copy (trainer/memory.py).
-        unet_bf16 = cfg.model.unet_dtype == "bf16" or (
-            cfg.model.unet_dtype == "auto" and dtype == torch.bfloat16 and device.type == "cuda"
-        )
+        unet_bf16 = unet_weights_bf16(cfg.model.unet_dtype, cfg.optim.name, dtype, device)
         if unet_bf16:
             unet.to(dtype=torch.bfloat16)
         vae.to(device).requires_grad_(False).eval()
@@ -483,6 +497,8 @@ class Trainer:
                 seed=cfg.train.seed,
                 log=self.log,
             )
+        # Aspect-ratio buckets after the VAE fit (which trains on squares), before the cache (keyed by them).
+        target_sizes = prepare_buckets(dataset, cfg.data, side_step(models), self.log)
         scaling = float(vae.config.scaling_factor)
         frozen_dtype = dtype if device.type == "cuda" else torch.float32
         if frozen_dtype != torch.float32:
@@ -502,17 +518,29 @@ class Trainer:
                 batch_size=max(cfg.train.micro_batch, 16),
             )
             self.log(f"latent cache {'hit' if dataset.stats.hit else 'built'}: {dataset.stats.path}")
-        sampler = ResumableDistributedSampler(
-            dataset, d.world_size, d.rank, shuffle=True, seed=cfg.train.seed
-        )
-        loader = build_dataloader(
-            dataset,
-            sampler,
-            batch_per_step,
-            num_workers=cfg.data.num_workers,
-            pin_memory=device.type == "cuda",
-            seed=cfg.train.seed,
-        )
+        if target_sizes is not None:  # each step's batch from one bucket, the same on every rank
+            sampler, loader = build_bucket_loader(
+                dataset,
+                target_sizes,
+                batch_per_step,
+                d.world_size,
+                d.rank,
+                cfg.train.seed,
+                num_workers=cfg.data.num_workers,
+                pin_memory=device.type == "cuda",
+            )
+        else:
+            sampler = ResumableDistributedSampler(
+                dataset, d.world_size, d.rank, shuffle=True, seed=cfg.train.seed
+            )
+            loader = build_dataloader(
+                dataset,
+                sampler,
+                batch_per_step,
+                num_workers=cfg.data.num_workers,
+                pin_memory=device.type == "cuda",
+                seed=cfg.train.seed,
+            )
 
         # Optimizer, schedule, EMA, loss scaler; then the DDP wrapper (built by the OOM guard).
         unet.train()
@@ -527,19 +555,7 @@ class Trainer:
         if unet_bf16:
             model = CastInputs(model, torch.bfloat16)
         params = [p for p in unet.parameters() if p.requires_grad]
-        if unet_bf16 or cfg.optim.state_dtype == "bf16":
-            optimizer = MixedPrecisionAdamW(
-                params,
-                lr=cfg.optim.lr,
-                betas=tuple(cfg.optim.betas),
-                eps=cfg.optim.eps,
-                weight_decay=cfg.optim.weight_decay,
-                master_weights=cfg.optim.master_weights,
-                state_dtype=torch.bfloat16 if cfg.optim.state_dtype == "bf16" else torch.float32,
-                fused=None if cfg.optim.fused == "auto" else cfg.optim.fused == "true",
-            )
-        else:
-            optimizer = build_optimizer(params, cfg.optim, device)
+        optimizer = build_training_optimizer(params, cfg.optim, device, unet_bf16)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
         ema = EMA(unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
@@ -549,7 +565,7 @@ class Trainer:
         if shared is not None:
             assert resume is not None
             with _checkpoint_must_fit(resume.path):
-                unet.load_state_dict(shared["unet"])
+                load_unet_state(unet, shared, lora_base)
                 optimizer.load_state_dict(shared["optimizer"])
                 lr_scheduler.load_state_dict(shared["lr_scheduler"])
                 if ema is not None and shared.get("ema") is not None:
@@ -675,7 +691,7 @@ class Trainer:
         def shared_state() -> dict[str, Any]:
             state = {
                 "step": step,
-                "unet": unet.state_dict(),
+                **unet_state(unet, lora_base),
                 "optimizer": optimizer.state_dict(),
                 "lr_scheduler": lr_scheduler.state_dict(),
                 "ema": ema.state_dict() if ema is not None else None,
@@ -859,7 +875,8 @@ class Trainer:
             check_finite()
             if d.rank == 0:
                 name = cfg.output.name or cfg.model.preset
-                path = export_pipeline(models, unet, self.out_dir / "export", ema, single_file=name)
+                lora = cfg.lora if lora_base else None
+                path = export_model(models, unet, self.out_dir / "export", ema, single_file=name, lora=lora)
                 self.log(f"exported diffusers folder {path}")
             _barrier()
         self.log(f"done: {step} steps in {time.time() - start_time:.1f}s")

@@ -1,0 +1,95 @@
+"""Memory and speed switches that need a GPU to pay off, checked where a CPU can: 8-bit AdamW
+refuses a CPU run at once with the fix, the weight dtype it implies, and the attention switch."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import run_to_end, subprocess_env
+from trainer.config import ConfigError, build_config
+from trainer.memory import unet_weights_bf16
+from trainer.models import set_attention_backend
+from trainer.optim import OptimizerUnavailable, check_optimizer
+
+
+def test_adamw8bit_on_cpu_is_exit_2_before_anything_is_built(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--set",
+        "optim.name=adamw8bit",
+    ]
+    code, output = run_to_end(cmd, timeout=120, env=subprocess_env(SDDOCTOR_PREFLIGHT="0"))
+    assert code == 2 and "Traceback" not in output, output[-2000:]
+    errors = [line for line in output.splitlines() if line.startswith("trainer: error:")]
+    assert len(errors) == 1 and "optim.name=adamw8bit needs a CUDA GPU" in errors[0], output[-2000:]
+    assert "use optim.name=adamw" in errors[0]
+    assert "data digits" not in output  # stopped before the data and the models
+
+
+def test_adamw8bit_without_bitsandbytes_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
+    cfg = build_config("sd2-base", overrides=["optim.name=adamw8bit"])
+    with pytest.raises(OptimizerUnavailable, match=r"pip install 'sddoctor\[bnb\]'"):
+        check_optimizer(cfg.optim, torch.device("cuda", 0))
+    check_optimizer(build_config("sd2-base").optim, torch.device("cpu"))  # adamw: nothing to check
+
+
+def test_adamw8bit_keeps_fp32_weights_and_refuses_bf16_ones():
+    cuda = torch.device("cuda", 0)
+    assert unet_weights_bf16("auto", "adamw", torch.bfloat16, cuda)
+    assert not unet_weights_bf16("auto", "adamw8bit", torch.bfloat16, cuda)
+    assert not unet_weights_bf16("auto", "adamw", torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="'optim.name' is 'adamw8bit'; allowed: adamw .*master copy"):
+        build_config("sd2-base", overrides=["optim.name=adamw8bit", "model.unet_dtype=bf16"])
+    # the memory saver leaves the optimizer's precision to 8-bit AdamW and keeps the rest
+    cfg = build_config("sd2-base", overrides=["optim.name=adamw8bit", "train.memory_saver=true"])
+    assert cfg.model.unet_dtype == "auto" and cfg.optim.state_dtype == "fp32"
+    assert cfg.model.gradient_checkpointing and cfg.model.offload_frozen and cfg.train.ema_dtype == "bf16"
+
+
+def test_attention_backend_leaves_one_kernel():
+    switches = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled")
+    before = {s: getattr(torch.backends.cuda, s)() for s in switches}
+    try:
+        set_attention_backend("math")
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        q = torch.randn(1, 2, 4, 8)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)  # the math kernel still runs
+        set_attention_backend("auto")  # leaves the switches as they are
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        for name, value in before.items():  # flash_sdp_enabled() is read, enable_flash_sdp() sets
+            getattr(torch.backends.cuda, "enable_" + name.removesuffix("_enabled"))(value)
+
+
+@pytest.mark.parametrize("variant", ["default", "saver", "gc", "lora", "lora-gc"])
+def test_memory_probe_builds_and_steps_each_setup(variant):
+    """The probe's step (what scripts/gpu/memory24.sh measures on a GPU) runs each setup for real."""
+    from trainer.bench import VARIANTS
+    from trainer.memory_probe import build_step
+
+    settings = {**VARIANTS[variant], "model.compile": "false", "model.channels_last": False}
+    cfg = build_config("tiny", None, [f"{k}={str(v).lower()}" for k, v in settings.items()])
+    step, _ = build_step(cfg, torch.device("cpu"))
+    trainable = [p for p in step.optimizer.param_groups[0]["params"]]
+    before = [p.detach().clone() for p in trainable]
+    step(2)
+    step(2)
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainable, strict=True))
+    assert all(p.grad is None for p in trainable)  # zero_grad(set_to_none) ran
+
+
+def test_memory_probe_needs_cuda(capsys):
+    from trainer.memory_probe import main
+
+    assert main(["--variants", "saver"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--variants", "nonsense"])
