@@ -23,6 +23,10 @@ from typing import Any
 
 import torch
 
+from sddoctor.instrument.micro_batch import batch_size, split_batch
+
+__all__ = ["ForwardBackward", "StepResult", "batch_size", "run_step", "split_batch"]
+
 ForwardBackward = Callable[[torch.nn.Module, dict[str, Any], float], torch.Tensor]
 
 
@@ -34,39 +38,6 @@ class StepResult:
     """Images this rank processed in the step."""
     micro_batch: int
     grad_accum: int
-
-
-def batch_size(batch: Mapping[str, Any]) -> int:
-    """Length of the first tensor or list in `batch`."""
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-        if isinstance(value, (list, tuple)):
-            return len(value)
-    raise ValueError("batch holds no tensor or list to take a size from")
-
-
-def split_batch(batch: Mapping[str, Any], micro_batch: int) -> list[dict[str, Any]]:
-    """Cut a dict batch into consecutive micro-batches of at most `micro_batch` items.
-
-    Tensors (along dim 0) and lists are sliced; anything else (scalars, None) is shared.
-    """
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-    total = batch_size(batch)
-    pieces = []
-    for start in range(0, total, micro_batch):
-        end = min(start + micro_batch, total)
-        piece: dict[str, Any] = {}
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                piece[key] = value[start:end]
-            elif isinstance(value, (list, tuple)):
-                piece[key] = value[start:end]
-            else:
-                piece[key] = value
-        pieces.append(piece)
-    return pieces
 
 
 def run_step(
