@@ -172,6 +172,12 @@ class OutputConfig:
     """Output dir; default: $SDDOCTOR_RUN_DIR when set, else ./runs/<name>/."""
     export: bool = True
     """Write a diffusers folder (export/) at the end."""
+    report_to: str = "tensorboard"
+    """tensorboard (OUTPUT_DIR/tensorboard/) | wandb (offline with WANDB_MODE=offline) | all | none:
+    where rank 0 writes loss, lr, throughput, memory, gradient norm and sample grids."""
+    progress: str = "auto"
+    """auto (a live bar on a terminal, a line per logging interval otherwise) | bar | lines | quiet
+    (only warnings and errors)."""
 
 
 @dataclass
@@ -579,6 +585,8 @@ RULES: dict[str, Rule] = {
     ),
     "output.dir": _text(what="'' (./runs/NAME) or a folder path"),
     "output.export": _BOOL,
+    "output.report_to": _choice("tensorboard", "wandb", "all", "none"),
+    "output.progress": _choice("auto", "bar", "lines", "quiet"),
 }
 
 
