@@ -127,9 +127,9 @@ class Interval:
 
 
 def clock(seconds: float | None) -> str:
-    """H:MM:SS (M:SS under an hour); '?' when unknown."""
+    """H:MM:SS (M:SS under an hour); -:-- when unknown."""
     if seconds is None or not math.isfinite(seconds):
-        return "?"
+        return "-:--"
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
@@ -137,7 +137,8 @@ def clock(seconds: float | None) -> str:
 
 class Progress:
     """Rank 0's progress: `bar` (rich, live, redrawn 4 times a second by rich's own thread), `lines`
-    (one per logging interval) or `quiet`; `auto` is the bar on a terminal, lines otherwise."""
+    (one per logging interval, the time left at that interval's pace) or `quiet`; `auto` is the
+    bar on a terminal, lines otherwise."""
 
     def __init__(
         self, mode: str, total_steps: int, world_size: int, device: torch.device, stream: TextIO | None = None
@@ -157,20 +158,13 @@ class Progress:
         if self.mode != "bar":
             return
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-        from rich.table import Column
+        from rich.progress import Progress
 
         self._bar = Progress(
-            TextColumn("step {task.completed}/{task.total}"),
-            BarColumn(bar_width=20),
-            TimeElapsedColumn(),
-            TextColumn("<"),
-            TimeRemainingColumn(),
-            # Cut at the terminal's edge rather than wrapped, so the bar stays one line at 80 columns.
-            TextColumn("{task.fields[stats]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+            _bar_column(),
             console=Console(file=self.stream, force_terminal=True),
             refresh_per_second=4,
-            speed_estimate_period=60,
+            speed_estimate_period=60,  # the time left follows the last minute's pace
         )
         self._task = self._bar.add_task("train", total=self.total, completed=step, stats="")
         self._bar.start()  # print() and warnings now appear above the bar
@@ -204,6 +198,32 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def _bar_column() -> Any:
+    """Rich's bar as two lines, each cut at the terminal's edge (never wrapped, so that a narrow
+    terminal keeps a steady display): the step, the bar, elapsed and remaining time (rich's
+    estimate from the per-step pace); the latest logging interval's numbers."""
+    from rich.progress import ProgressColumn
+    from rich.table import Column
+    from rich.text import Text
+
+    class BarLines(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            total = task.total or 1
+            filled = int(20 * task.completed / total)
+            text = Text.assemble(
+                f"step {int(task.completed)}/{int(total)} ",
+                ("━" * filled, "bar.complete"),
+                ("━" * (20 - filled), "bar.back"),
+                f" {100 * task.completed / total:.0f}% | {clock(task.elapsed)} elapsed, "
+                f"{clock(task.time_remaining)} left",
+            )
+            if task.fields["stats"]:
+                text.append("\n" + task.fields["stats"])
+            return text
+
+    return BarLines(table_column=Column(no_wrap=True, overflow="ellipsis"))
 
 
 def _is_terminal(stream: TextIO) -> bool:

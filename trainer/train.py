@@ -83,7 +83,8 @@ exit codes:
        memory even at micro-batch 1 (the OOM guard's message names the memory and what to try)
   2    bad input: unknown preset or config key, a value outside what the key allows, bad
        TOML, missing model or data folder, unusable data, a --resume target that is damaged,
-       in the earlier pickle format, or from another number of ranks
+       in the earlier pickle format, or from another number of ranks, a --report-to whose
+       package is not installed
   3    training diverged: the loss or gradient became NaN/inf; nothing was saved after it
   130  stopped by SIGINT, 143 by SIGTERM (after saving a checkpoint)
 """
@@ -456,27 +457,10 @@ class Trainer:
             tracker,
         )
 
-    def build_guard(
-        self,
-        model: torch.nn.Module,
-        unet: torch.nn.Module,
-        wrap: Any,
-        optimizer: torch.optim.Optimizer,
-        extra_state: list[Any],
-        checkpointing_on: bool,
-    ) -> OOMGuard | None:
-        """The OOM guard for this config (trainer.build.build_guard), or None when off or inapplicable."""
-        return build_guard(
-            self.cfg,
-            self.dist.world_size,
-            self.warn,
-            model,
-            unet,
-            wrap,
-            optimizer,
-            extra_state,
-            checkpointing_on,
-        )
+    def build_guard(self, *parts: Any) -> OOMGuard | None:
+        """trainer.build.build_guard for this config: (model, unet, wrap, optimizer, extra_state,
+        checkpointing_on) -> the OOM guard, or None when it is off or cannot apply."""
+        return build_guard(self.cfg, self.dist.world_size, self.warn, *parts)
 
     def check_replicas(self, unet: torch.nn.Module, step: int) -> None:
         """Compare a digest of the UNet weights across ranks: DDP must keep them identical."""
