@@ -31,7 +31,7 @@ from conftest import REPO_ROOT, run_to_end, subprocess_env
 from trainer.config import build_config
 from trainer.process import Dist
 from trainer.progress import Interval, Progress, clock
-from trainer.tracking import Tracker, TrackerUnavailable, Wandb, check_available
+from trainer.tracking import TensorBoard, Tracker, TrackerUnavailable, Wandb, check_available
 from trainer.train import Trainer, config_from_args, parse_args
 
 # One rank, no VAE fit, no cache, no end checkpoint or export: start-up and 6 short steps.
@@ -138,6 +138,19 @@ def test_a_tracker_that_fails_is_dropped_with_one_warning(tmp_path, monkeypatch)
     tracker.close()
     assert len(warnings) == 1 and warnings[0].startswith("wandb: stopped writing (UsageError"), warnings
     assert "training goes on" in warnings[0] and tracker.backends == []
+
+
+def test_a_resumed_run_replaces_the_tensorboard_events_after_its_checkpoint(tmp_path):
+    first = TensorBoard(tmp_path, start_step=0)
+    for step in range(1, 6):
+        first.scalars({"train/loss": float(step)}, step)
+    first.close()
+    resumed = TensorBoard(tmp_path, start_step=3)  # stopped after step 5, resumed from step 3
+    for step in (4, 5):
+        resumed.scalars({"train/loss": 10.0 * step}, step)
+    resumed.close()
+    losses = [(e.step, e.value) for e in tensorboard_events(tmp_path).Scalars("train/loss")]
+    assert losses == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
 
 
 # -- real runs ---------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def open_tracker(
     warn: Callable[[str], None],
 ) -> Tracker:
     """Rank 0's tracker. `start_step` > 0 (a resumed run): TensorBoard hides the earlier run's
-    events from that step on, so that the curves do not double back."""
+    events after that step, so that the curves do not double back."""
     backends: list[Any] = []
     for name in BACKENDS[report_to]:
         try:
@@ -111,8 +111,11 @@ class TensorBoard:
     def __init__(self, log_dir: Path, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # flush_secs: a curve someone watches is at most 30 s behind (the default is 2 minutes).
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step or None, flush_secs=30)
+        # purge_step: TensorBoard drops the earlier run's events after the step this one resumes
+        # from (this run logs them again). flush_secs: a curve someone watches is at most 30 s
+        # behind (the default is 2 minutes).
+        purge_step = start_step + 1 if start_step else None
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=30)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
