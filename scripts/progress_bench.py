@@ -34,7 +34,7 @@ def timed_steps(mode: str, steps: int, tracker_dir: Path | None) -> tuple[float,
         result = SimpleNamespace(loss=torch.tensor(0.25), micro_batch=32, grad_accum=1)
         log.start(0)
         log.step(1, result, samples=32, step_time=0.1, data_wait=0.001, lr=1e-4)  # warm-up: first calls
-        log.interval(1, 0.25, 1e-4, 1.0, 0)  # import and allocate
+        log.interval(1, 0.25, 1e-4, torch.tensor(1.0), 0)  # import and allocate
         t0 = time.perf_counter()
         for step in range(1, steps + 1):
             log.step(step, result, samples=32, step_time=0.1, data_wait=0.001, lr=1e-4)
@@ -42,7 +42,7 @@ def timed_steps(mode: str, steps: int, tracker_dir: Path | None) -> tuple[float,
         intervals = 200
         t0 = time.perf_counter()
         for _ in range(intervals):
-            log.interval(steps, 0.25, 1e-4, 1.0, 0)
+            log.interval(steps, 0.25, 1e-4, torch.tensor(1.0), 0)
         per_interval = (time.perf_counter() - t0) / intervals * 1e3
         log.close()
     return per_step, per_interval

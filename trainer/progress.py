@@ -312,10 +312,13 @@ class TrainingLog:
         return self._loss_sum / self._steps
 
     def interval(
-        self, step: int, loss: float, lr: float, grad_norm: float | None, oom_fallbacks: int
+        self, step: int, loss: float, lr: float, grad_norm: torch.Tensor, oom_fallbacks: int
     ) -> Interval:
-        """End the interval (every rank); rank 0 shows it and writes it to the tracker."""
+        """End the interval (every rank); rank 0 shows it and writes it to the tracker. `grad_norm`
+        is read (a device-to-host copy, after the interval's sync) only where it is reported."""
         now = time.perf_counter()
+        reporting = self.progress is not None or self.tracker is not None
+        norm = float(grad_norm) if reporting else math.nan
         it_s = (step - self._last_step) / max(now - self._last_time, 1e-9)
         images_s = it_s * self.images_per_step
         mem, mem_peak = memory_gib(self.device)
@@ -332,7 +335,7 @@ class TrainingLog:
             mem_peak=mem_peak,
             elapsed=now - self._start,
             remaining=(self.total_steps - step) / it_s if it_s > 0 else None,
-            grad_norm=grad_norm,
+            grad_norm=norm if math.isfinite(norm) else None,
             oom_fallbacks=oom_fallbacks,
             micro_batch=self._shape[0],
             grad_accum=self._shape[1],

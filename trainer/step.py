@@ -161,12 +161,13 @@ class OptimizerStep:
             self.ema.update()
         optimizer.zero_grad(set_to_none=True)
 
-    def take_grad_norm(self) -> float | None:
-        """Mean finite gradient norm since the last call (None if none); reading it is a host sync."""
-        total, count = torch.stack([self._norm_sum, self._norm_count]).tolist()
+    def take_grad_norm(self) -> torch.Tensor:
+        """The mean finite gradient norm since the last call, on the device (NaN if there was none);
+        the next call averages from here on."""
+        mean = self._norm_sum / self._norm_count
         self._norm_sum.zero_()
         self._norm_count.zero_()
-        return total / count if count else None
+        return mean
 
 
 class TrainStep:
@@ -206,6 +207,7 @@ class TrainStep:
 
         Returns the guard's or run_step's result: loss (on the device), micro_batch, grad_accum.
         """
+        result: Any
         if self.guard is not None:
             result = self.guard.run_step(batch, self.forward_backward, self.optimizer_step, step)
             if result.fell_back:

@@ -387,7 +387,7 @@ class Trainer:
         mean_loss = mean.item() / self.dist.world_size
         flags = flag.tolist()
         run.train_step.check_finite(flags[1:])
-        grad_norm = run.train_step.optimizer_step.take_grad_norm() if self.dist.rank == 0 else None
+        grad_norm = run.train_step.optimizer_step.take_grad_norm()  # rank 0 reads it, after the sync
         log.interval(
             run.step, mean_loss, run.train_step.optimizer_step.used_lr, grad_norm, run.train_step.fallbacks
         )
