@@ -136,3 +136,18 @@ def test_comm_hook_alone_averages_like_ddp_and_counts_buckets(tmp_path: Path) ->
         assert state.stats()["seconds"] >= 0 and state.stats()["last_bucket_t"] is not None
     finally:
         dist.destroy_process_group()
+
+
+def test_one_splitter_serves_the_guard_and_the_trainer() -> None:
+    from sddoctor.instrument.micro_batch import batch_size, split_batch, split_sizes
+    from trainer import step
+
+    assert step.split_batch is split_batch and step.batch_size is batch_size
+    assert split_sizes(7, 3) == [3, 3, 1] and split_sizes(4, 4) == [4]
+    pieces = split_batch({"x": torch.arange(7), "names": tuple("abcdefg"), "t": torch.tensor(1.0)}, 3)
+    assert [p["names"] for p in pieces] == [tuple("abc"), tuple("def"), ("g",)]
+    assert all(p["t"].dim() == 0 for p in pieces)
+    with pytest.raises(ValueError, match="no tensor or list"):
+        batch_size({"scale": 0.5, "t": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="micro_batch must be >= 1"):
+        split_batch({"x": torch.zeros(2)}, 0)

@@ -365,10 +365,10 @@ def test_converting_an_earlier_checkpoint_keeps_every_value(tmp_path):
 
 
 def test_a_checkpoint_of_another_model_is_bad_input_not_a_crash(tmp_path):
-    from trainer.train import _checkpoint_must_fit
+    from trainer.checkpointer import checkpoint_must_fit
 
     with pytest.raises(
         CheckpointError, match="does not fit this run .*size mismatch.*resume it with the preset"
     ):
-        with _checkpoint_must_fit(tmp_path):
+        with checkpoint_must_fit(tmp_path):
             torch.nn.Linear(2, 2).load_state_dict({"weight": torch.zeros(3, 3), "bias": torch.zeros(3)})

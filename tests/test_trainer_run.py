@@ -1,7 +1,7 @@
 """Real 2-rank CPU runs of the trainer (torchrun, gloo) on a small tiny-preset config.
 
 One reference run is checked for a falling loss, identical weights on both ranks, telemetry,
-and an export that StableDiffusionPipeline loads (folder and single file, every tensor equal to
+TensorBoard's curves and sample grid (read back with TensorBoard's reader), and an export that StableDiffusionPipeline loads (folder and single file, every tensor equal to
 the trainer's) and samples from. A second run is stopped with SIGTERM, saves a checkpoint, and
 is resumed: its per-step losses must equal the reference's exactly; then its newest checkpoint
 is damaged and `--resume latest` falls back to the previous one, again repeating the losses.
@@ -124,6 +124,49 @@ def test_export_loads_in_diffusers_and_samples(reference):
     ).images
     assert image.shape == (1, 32, 32, 3)
     assert np.isfinite(image).all() and image.std() > 0
+
+
+def test_tensorboard_holds_the_curves_and_the_sample_grid(reference):
+    """Read back with TensorBoard's own reader: the interval's loss is the mean over both ranks and
+    its steps, the learning rate is the steps', and the sample grid is the saved PNG."""
+    import io
+
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(reference / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/images_per_s",
+        "perf/images_per_s_per_gpu",
+        "perf/step_time_s",
+        "perf/data_wait_s",
+        "memory/current_gib",
+        "memory/peak_gib",
+        "oom/fallbacks",
+        "oom/micro_batch",
+    } <= set(events.Tags()["scalars"])
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(losses) == [5, 10, 15, 20]
+    per_rank = [step_losses(reference, rank) for rank in (0, 1)]
+    for end, value in losses.items():
+        mean = sum(steps[s] for steps in per_rank for s in range(end - 4, end + 1)) / 10
+        assert value == pytest.approx(mean, rel=1e-5), (end, value, mean)
+    lrs = {e["step"]: e["lr"] for e in read_events(reference / "ranks" / "rank-00000.jsonl", kinds={"step"})}
+    assert all(e.value == pytest.approx(lrs[e.step], rel=1e-6) for e in events.Scalars("train/lr"))
+    for tag in ("train/grad_norm", "perf/images_per_s", "perf/step_time_s", "memory/current_gib"):
+        assert all(0 < e.value < float("inf") for e in events.Scalars(tag)), tag
+    assert [e.value for e in events.Scalars("oom/fallbacks")] == [0, 0, 0, 0]
+    (grid,) = events.Images("samples")
+    saved = Image.open(reference / "samples" / f"step-{MAX_STEPS:08d}.png")
+    assert grid.step == MAX_STEPS and (grid.width, grid.height) == saved.size
+    assert (
+        Image.open(io.BytesIO(grid.encoded_image_string)).convert("RGB").tobytes()
+        == saved.convert("RGB").tobytes()
+    )
 
 
 def test_sigterm_checkpoints_and_resume_repeats_the_losses(reference, cache, tmp_path):

@@ -179,6 +179,12 @@ class OutputConfig:
     """Output dir; default: $SDDOCTOR_RUN_DIR when set, else ./runs/<name>/."""
     export: bool = True
     """Write a diffusers folder (export/) at the end."""
+    report_to: str = "tensorboard"
+    """tensorboard (OUTPUT_DIR/tensorboard/) | wandb (offline with WANDB_MODE=offline) | all | none:
+    where rank 0 writes loss, lr, throughput, memory, gradient norm and sample grids."""
+    progress: str = "auto"
+    """auto (a live bar on a terminal, a line per logging interval otherwise) | bar | lines | quiet
+    (only warnings and errors)."""
 
 
 @dataclass
@@ -618,6 +624,8 @@ RULES: dict[str, Rule] = {
     ),
     "lora.dropout": _float(0, 1, high_open=True),
     "lora.export_merged": _BOOL,
+    "output.report_to": _choice("tensorboard", "wandb", "all", "none"),
+    "output.progress": _choice("auto", "bar", "lines", "quiet"),
 }
 
 

@@ -1,4 +1,8 @@
-"""Sample grids: fixed prompts, one row per prompt, saved as a PNG in the run directory."""
+"""Sample grids: fixed prompts, one row per prompt, saved as a PNG in the run directory.
+
+`SampleGrids` is what the training loop calls on rank 0 (the other ranks wait at a barrier): the
+EMA weights swapped in, frozen models brought back from host memory when they were offloaded.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from trainer.config import SampleConfig
 from trainer.models import Models
 from trainer.optim import EMA
 
@@ -28,6 +33,54 @@ def build_pipeline(models: Models, unet: torch.nn.Module) -> Any:
         feature_extractor=None,
         requires_safety_checker=False,
     )
+
+
+class SampleGrids:
+    """The grid of `sample.prompts` with the training UNet, saved as samples/step-N.png."""
+
+    def __init__(
+        self,
+        cfg: SampleConfig,
+        resolution: int,
+        models: Models,
+        ema: EMA | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        offloaded: bool,
+        out_dir: Path,
+    ) -> None:
+        self.cfg = cfg
+        self.resolution = resolution
+        self.models = models
+        self.ema = ema
+        self.device = device
+        self.dtype = dtype
+        self.offloaded = offloaded
+        self.out_dir = out_dir
+
+    def __call__(self, step: int) -> tuple[Image.Image, Path]:
+        """(the grid, where it was saved); every rank has settled the step before this."""
+        models, cfg = self.models, self.cfg
+        if self.offloaded:
+            models.vae.to(self.device)
+            models.text_encoder.to(self.device)
+        with ema_weights(models.unet, self.ema):
+            grid = sample_grid(
+                models,
+                models.unet,
+                cfg.prompts,
+                cfg.images_per_prompt,
+                cfg.steps,
+                cfg.guidance_scale,
+                self.resolution,
+                cfg.seed,
+                self.device,
+                self.dtype,
+            )
+        if self.offloaded:
+            models.vae.to("cpu")
+            models.text_encoder.to("cpu")
+        return grid, save_grid(grid, self.out_dir, step)
 
 
 @contextlib.contextmanager

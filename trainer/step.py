@@ -12,6 +12,10 @@ out-of-memory; `run_step` here is the step without the guard (`train.oom_guard=f
 
 All randomness of a step (noise, timesteps, caption dropout) is drawn for the whole batch before
 it is split, so the result does not depend on how the batch is cut into micro-batches.
+
+`OptimizerStep` is the trainer's `optimizer_step`; `TrainStep` is what the training loop calls:
+one step through the guard or `run_step`, and the agreements around steps (the guard's settle,
+the non-finite check) that every rank runs before the model is read.
 """
 
 from __future__ import annotations
@@ -22,6 +26,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from sddoctor.instrument import api as sdi
+from sddoctor.instrument.micro_batch import batch_size, split_batch
+from sddoctor.instrument.oom_guard import OOMGuard
+from trainer.nonfinite import NonFiniteWatch
+from trainer.optim import EMA
+
+__all__ = [
+    "ForwardBackward",
+    "OptimizerStep",
+    "StepResult",
+    "TrainStep",
+    "batch_size",
+    "gradient_norm",
+    "run_step",
+    "split_batch",
+]
 
 ForwardBackward = Callable[[torch.nn.Module, dict[str, Any], float], torch.Tensor]
 
@@ -34,39 +55,6 @@ class StepResult:
     """Images this rank processed in the step."""
     micro_batch: int
     grad_accum: int
-
-
-def batch_size(batch: Mapping[str, Any]) -> int:
-    """Length of the first tensor or list in `batch`."""
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-        if isinstance(value, (list, tuple)):
-            return len(value)
-    raise ValueError("batch holds no tensor or list to take a size from")
-
-
-def split_batch(batch: Mapping[str, Any], micro_batch: int) -> list[dict[str, Any]]:
-    """Cut a dict batch into consecutive micro-batches of at most `micro_batch` items.
-
-    Tensors (along dim 0) and lists are sliced; anything else (scalars, None) is shared.
-    """
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-    total = batch_size(batch)
-    pieces = []
-    for start in range(0, total, micro_batch):
-        end = min(start + micro_batch, total)
-        piece: dict[str, Any] = {}
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                piece[key] = value[start:end]
-            elif isinstance(value, (list, tuple)):
-                piece[key] = value[start:end]
-            else:
-                piece[key] = value
-        pieces.append(piece)
-    return pieces
 
 
 def run_step(
@@ -97,3 +85,186 @@ def run_step(
     optimizer_step()
     assert loss_sum is not None
     return StepResult(loss=loss_sum, samples=total, micro_batch=micro_batch, grad_accum=len(pieces))
+
+
+def gradient_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients, on the device (what clip_grad_norm_ computes, without clipping)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=params[0].device if params else None)
+    return torch.linalg.vector_norm(torch.stack([g.float() for g in torch._foreach_norm(grads)]))
+
+
+class OptimizerStep:
+    """Unscale, clip, step, schedule, EMA, zero_grad: called once a step's gradients are complete.
+
+    `next_step()` gives the 1-based number of the step the loop is in (it is read when the step
+    runs: a step the OOM guard redoes later is observed under the loop's step of that moment).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        params: list[torch.nn.Parameter],
+        max_grad_norm: float,
+        scaler: torch.amp.GradScaler | None,
+        ema: EMA | None,
+        watch: NonFiniteWatch,
+        next_step: Callable[[], int],
+    ) -> None:
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.params = params
+        self.max_grad_norm = max_grad_norm
+        self.scaler = scaler
+        self.ema = ema
+        self.watch = watch
+        self.next_step = next_step
+        # The learning rate the latest optimizer step used. Read in the step rather than before it:
+        # when the OOM guard repairs a rank's failed optimizer step at the next step's agreement, it
+        # copies the scheduler from a healthy rank first, and the step then runs at that rate.
+        self.used_lr: float = lr_scheduler.get_last_lr()[0]
+        device = params[0].device if params else None
+        # Sum and count of the finite gradient norms since the last read, kept on the device.
+        self._norm_sum = torch.zeros((), device=device)
+        self._norm_count = torch.zeros((), device=device)
+
+    def __call__(self) -> None:
+        sdi.phase("optimizer")
+        optimizer, scaler = self.optimizer, self.scaler
+        self.used_lr = optimizer.param_groups[0]["lr"]
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if self.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+        else:
+            grad_norm = gradient_norm(self.params)
+        if scaler is None:  # the fp16 loss scaler skips steps with overflowing gradients itself
+            self.watch.observe(self.next_step(), grad_norm=grad_norm)
+        finite = torch.isfinite(grad_norm.detach().float())
+        self._norm_sum += torch.where(finite, grad_norm.detach().float(), 0.0)
+        self._norm_count += finite
+        if scaler is not None:
+            try:
+                scaler.step(optimizer)
+            except Exception:
+                # update() did not run, so the scaler still marks this optimizer as unscaled and
+                # would refuse the unscale_() of the step the OOM guard redoes or repairs.
+                scaler._per_optimizer_states.clear()
+                raise
+            scaler.update()
+        else:
+            optimizer.step()
+        self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def take_grad_norm(self) -> torch.Tensor:
+        """The mean finite gradient norm since the last call, on the device (NaN if there was none);
+        the next call averages from here on."""
+        mean = self._norm_sum / self._norm_count
+        self._norm_sum.zero_()
+        self._norm_count.zero_()
+        return mean
+
+
+class TrainStep:
+    """The loop's optimizer step, through the OOM guard when there is one (else `run_step`)."""
+
+    def __init__(
+        self,
+        guard: OOMGuard | None,
+        ddp_model: torch.nn.Module | None,
+        micro_batch: int,
+        grad_accum: int,
+        forward_backward: ForwardBackward,
+        optimizer_step: OptimizerStep,
+        advice: Callable[[], str],
+        log: Callable[[str], None],
+        saved_guard_state: dict[str, Any] | None = None,
+        guard_turned_on_checkpointing: bool = False,
+    ) -> None:
+        # No reference to guard.model here: after a failure the guard replaces the wrapper, and a
+        # stale reference would keep the old one's gradient buckets in memory.
+        self.guard = guard
+        self.ddp_model = ddp_model
+        self.micro_batch = micro_batch
+        self.grad_accum = grad_accum
+        self.forward_backward = forward_backward
+        self.optimizer_step = optimizer_step
+        self.watch = optimizer_step.watch
+        self.advice = advice
+        self.log = log
+        self.saved_guard_state = saved_guard_state
+        self.guard_turned_on_checkpointing = guard_turned_on_checkpointing
+        self.fallbacks = 0
+        """OOM fallbacks so far in this process (counted on every rank alike)."""
+
+    def __call__(self, batch: Mapping[str, Any], step: int) -> Any:
+        """Run step `step` (1-based, as its step event and SDDOCTOR_FAULT's step= count) on `batch`.
+
+        Returns the guard's or run_step's result: loss (on the device), micro_batch, grad_accum.
+        """
+        result: Any
+        if self.guard is not None:
+            result = self.guard.run_step(batch, self.forward_backward, self.optimizer_step, step)
+            if result.fell_back:
+                self.fallbacks += result.retries  # one retry per fallback
+                self.log_fallback(step)
+        else:
+            result = run_step(
+                self.ddp_model,  # type: ignore[arg-type]
+                batch,
+                self.micro_batch,
+                self.grad_accum,
+                self.forward_backward,
+                self.optimizer_step,
+            )
+        self.watch.observe(step, loss=result.loss)
+        return result
+
+    def settle(self, step: int) -> None:
+        """Every rank: finish the OOM guard's agreement on the last optimizer step before the model is read."""
+        if self.guard is not None and self.guard.settle():
+            self.fallbacks += 1
+            self.log_fallback(step)
+
+    def check_finite(self, reduced: list[float] | None = None) -> None:
+        """Every rank: stop (NonFiniteError, exit 3) if a loss or gradient was NaN/inf since the start.
+
+        `reduced`: the watch's numbers already MAX-reduced with the stop flag (no collective here);
+        None: one small all-reduce here.
+        """
+        self.watch.check(reduced, "training", self.advice)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the guard (call settle() on every rank first)."""
+        if self.guard is None:
+            return self.saved_guard_state  # keep what an earlier guarded run learnt
+        state = self.guard.state_dict()
+        state["gradient_checkpointing"] = (
+            self.guard.gradient_checkpointing or self.guard_turned_on_checkpointing
+        )
+        return state
+
+    def log_fallback(self, step: int) -> None:
+        """One rank-0 line per fallback; the `oom`/`fallback` events carry the details."""
+        assert self.guard is not None
+        self.log(fallback_message(self.guard, step))
+
+
+def fallback_message(guard: OOMGuard, step: int) -> str:
+    last = guard.last_fallback or {}
+    checkpointing = ", gradient checkpointing on" if guard.gradient_checkpointing else ""
+    return (
+        f"OOM guard: {last.get('reason', 'out of memory')} at step {last.get('step', step)}: every rank now "
+        f"runs micro-batch {guard.micro_batch} x {guard.grad_accum} accumulation{checkpointing} "
+        f"(was {last.get('old_micro_batch', '?')} x {last.get('old_grad_accum', '?')}; same global batch); "
+        + (
+            "the failed optimizer step was completed from a healthy rank"
+            if last.get("step_applied")
+            else "the step was redone"
+        )
+    )

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +49,7 @@ import torch.distributed as dist
 from sddoctor.instrument import api
 from sddoctor.instrument.ddp_hook import CommHookState, complete_missing_buckets, install_comm_hook
 from sddoctor.instrument.faults import Fault, faults_from_env
+from sddoctor.instrument.micro_batch import batch_size, split_batch, split_sizes
 from sddoctor.telemetry.schema import EventKind
 
 OK, FORWARD, BACKWARD, OPTIMIZER, ERROR = 0, 1, 2, 3, 4
@@ -254,7 +254,7 @@ class OOMGuard:
         by the next run_step after its backward (or by settle()), so that no step waits on it.
         """
         fell_back = False
-        size = _batch_size(batch)
+        size = batch_size(batch)
         retries = 0
         while True:
             loss = self._attempt(batch, size, forward_backward, optimizer_step, step)
@@ -318,7 +318,7 @@ class OOMGuard:
         self._flag = None
         self.hook_state.begin_step()
         self._in_last_micro_batch = False
-        chunks = _split(batch, self.micro_batch, size)
+        chunks = split_batch(batch, self.micro_batch)
         outcome = self._run_micro_batches(chunks, size, forward_backward)
         self._in_last_micro_batch = False
         del chunks
@@ -347,7 +347,7 @@ class OOMGuard:
         # NaN when this rank failed after its backward was agreed (its loss is lost; the step is
         # completed from a healthy rank at the next settle).
         loss = (
-            _mean_loss(losses, _split_sizes(size, self.micro_batch), size)
+            _mean_loss(losses, split_sizes(size, self.micro_batch), size)
             if losses
             else torch.tensor(float("nan"))
         )
@@ -414,7 +414,7 @@ class OOMGuard:
                 self._in_last_micro_batch = i == last
                 with ctx:
                     self._phase = "forward"
-                    loss = forward_backward(self.model, chunk, _len(chunk) / size)
+                    loss = forward_backward(self.model, chunk, batch_size(chunk) / size)
                 losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.as_tensor(loss))
                 del loss
         except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement
@@ -723,50 +723,6 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
     for p in module.parameters():
         return p.device
     return None
-
-
-def _len(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.shape[0] if value.dim() else 1
-    if isinstance(value, Mapping):
-        return _batch_size(value)
-    return len(value)
-
-
-def _batch_size(batch: Mapping[str, Any]) -> int:
-    sizes = {
-        _len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple)) and not _is_scalar(v)
-    }
-    if len(sizes) != 1:
-        raise ValueError(
-            f"OOMGuard.run_step: the batch's tensors and lists must share one leading size, got {sorted(sizes)}"
-        )
-    return sizes.pop()
-
-
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 0
-
-
-def _split_sizes(size: int, micro_batch: int) -> list[int]:
-    n = math.ceil(size / micro_batch)
-    return [min(micro_batch, size - i * micro_batch) for i in range(n)]
-
-
-def _split(batch: Mapping[str, Any], micro_batch: int, size: int) -> list[dict[str, Any]]:
-    """Cut the batch into micro-batches along the first dimension (views, no copies)."""
-    chunks = []
-    start = 0
-    for n in _split_sizes(size, micro_batch):
-        chunk = {}
-        for key, value in batch.items():
-            if isinstance(value, (torch.Tensor, list, tuple)) and not _is_scalar(value):
-                chunk[key] = value[start : start + n]
-            else:
-                chunk[key] = value
-        chunks.append(chunk)
-        start += n
-    return chunks
 
 
 def _mean_loss(losses: list[torch.Tensor], sizes: list[int], size: int) -> torch.Tensor | None:
