@@ -407,7 +407,7 @@ def test_micro_benchmark_reports_the_timelines_cost():
     from conftest import REPO_ROOT, subprocess_env
 
     out = subprocess.run(
-        [sys.executable, "-m", "sddoctor.instrument.bench", "--micro", "--calls", "2000", "--json"],
+        [sys.executable, "-m", "benchmarks.instrument_overhead", "--micro", "--calls", "2000", "--json"],
         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -1,6 +1,6 @@
 """Cost benchmark of `sddoctor tui`, and of nvitop's data layer for comparison.
 
-    python -m sddoctor.tui.bench [--seconds 10] [--fake-gpus 8] [--ranks 8] [--size 80x24 ...]
+    python -m benchmarks.tui_cost [--seconds 10] [--fake-gpus 8] [--ranks 8] [--size 80x24 ...]
                                  [--json results.json]
 
 Measures in one run:
@@ -348,7 +348,7 @@ def table(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m sddoctor.tui.bench",
+        prog="python -m benchmarks.tui_cost",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
