@@ -74,7 +74,7 @@ import asyncio, sys, time
 t0 = float(sys.argv[1])
 fake = int(sys.argv[2])
 if fake:
-    from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
+    from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
     from sddoctor.gpu.nvml import set_nvml_for_tests
     import os
     set_nvml_for_tests(FakeNvml(demo_gpus(fake, [[(os.getpid(), 2 << 30)]] * fake)))
@@ -236,7 +236,7 @@ def run(
 
     results: dict[str, Any] = {"seconds": seconds}
     if fake_gpus:
-        from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
+        from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
 
         # one process per GPU (this one), so the psutil side of a sample is measured too
         set_nvml_for_tests(FakeNvml(demo_gpus(fake_gpus, [[(os.getpid(), 2 << 30)]] * fake_gpus)))

@@ -245,9 +245,9 @@ def test_metrics_of_a_run_directory_scraped_by_the_prometheus_parser(tmp_path):
 
 
 def test_metrics_with_gpus_through_a_fake_nvml(tmp_path):
-    from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
     from sddoctor.gpu.nvml import set_nvml_for_tests
     from sddoctor.gpu.source import NvmlSource
+    from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
 
     set_nvml_for_tests(FakeNvml(demo_gpus(2, [[]] * 2)))
     try:

@@ -10,5 +10,4 @@ ranks       rank state from telemetry (pure)
 rankfeeds   rank telemetry from a run directory or `sddoctor run` HTTP endpoints
 matching    which GPU process is which rank
 overview    everything one screen shows; the `--json` document
-fake_nvml   a pynvml stand-in for tests and the benchmark
 """
