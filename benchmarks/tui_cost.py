@@ -156,8 +156,8 @@ def _headless_app_share(
     import tempfile
 
     from sddoctor.gpu.collector import Collector
-    from sddoctor.gpu.rankfeeds import RunDirFeed
     from sddoctor.gpu.source import NvmlSource
+    from sddoctor.ranks.feeds import RunDirFeed
     from sddoctor.tui.app import MonitorApp
 
     result: dict[str, float] = {}

@@ -19,8 +19,8 @@ from conftest import free_port, subprocess_env
 from sddoctor.gpu.collector import Collector
 from sddoctor.gpu.host import FixedHost, ProcessInfo
 from sddoctor.gpu.nvml import set_nvml_for_tests
-from sddoctor.gpu.rankfeeds import RunDirFeed
 from sddoctor.gpu.source import NvmlSource
+from sddoctor.ranks.feeds import RunDirFeed
 from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
 
 NOW = 1_800_000_000.0  # the frozen "now" of the demo

@@ -25,10 +25,10 @@ from textual.events import Resize
 from textual.widgets import Input
 
 from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.overview import Overview
-from sddoctor.gpu.rankfeeds import RankFeed, RankReport, RunDirFeed
-from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSnapshot
+from sddoctor.ranks.feeds import RankFeed, RankReport, RunDirFeed
+from sddoctor.ranks.overview import Overview
+from sddoctor.ranks.status import RankStatus
 from sddoctor.tui import views
 from sddoctor.tui.footer import SteadyFooter
 from sddoctor.tui.rowtable import Cell, RowTable

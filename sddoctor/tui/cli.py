@@ -98,7 +98,7 @@ def make_feed(args: argparse.Namespace, live: list | None = None):  # type: igno
     (`live`, from the registry), all of them when there are several, else the newest run
     directory under ./sddoctor-runs or ./runs.
     """
-    from sddoctor.gpu.rankfeeds import HttpFeed, MultiFeed, RunDirFeed
+    from sddoctor.ranks.feeds import HttpFeed, MultiFeed, RunDirFeed
     from sddoctor.telemetry import find_latest_run
     from sddoctor.telemetry.reader import unreadable
 
@@ -187,8 +187,8 @@ ONCE_CPU_WINDOW = 0.1
 
 
 def print_once(collector, feed, as_json: bool) -> int:  # type: ignore[no-untyped-def]
-    from sddoctor.gpu.overview import Overview
-    from sddoctor.gpu.rankfeeds import RankReport
+    from sddoctor.ranks.feeds import RankReport
+    from sddoctor.ranks.overview import Overview
     from sddoctor.telemetry.validate import PROBLEMS
 
     started = time.perf_counter()

@@ -21,9 +21,9 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from sddoctor.gpu.rankfeeds import latest_stack_dump
-from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSample
+from sddoctor.ranks.feeds import latest_stack_dump
+from sddoctor.ranks.status import RankStatus
 from sddoctor.telemetry.registry import LiveRun
 from sddoctor.tui.format import age, gib, loss, num, pct
 from sddoctor.tui.paths import short_path, short_site, shorten_paths_in

@@ -16,9 +16,9 @@ import textwrap
 from rich.text import Text
 
 from sddoctor.gpu.collector import History
-from sddoctor.gpu.overview import Overview
-from sddoctor.gpu.ranks import RankStatus, images_total
 from sddoctor.gpu.samples import GpuSample
+from sddoctor.ranks.overview import Overview
+from sddoctor.ranks.status import RankStatus, images_total
 from sddoctor.tui.format import age, bar, gib, gib_short, loss_short, mib, num, pct, rate, sparkline
 from sddoctor.tui.paths import elide_path, short_site, shorten_paths_in
 from sddoctor.tui.rowtable import Cell, Column

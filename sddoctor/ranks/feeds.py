@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from sddoctor.gpu.ranks import STARTUP_ALLOWANCE, RankInputs, RankStatus, RateTracker, derive
+from sddoctor.ranks.status import STARTUP_ALLOWANCE, RankInputs, RankStatus, RateTracker, derive
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state, registry
 
 HTTP_TIMEOUT = 2.0
