@@ -24,6 +24,7 @@ from sddoctor.supervise.metrics import RunMetrics
 from sddoctor.supervise.state import Verdict
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir, TelemetryWriter
+from sddoctor.telemetry.runinfo import RunOptions
 
 TOKEN = "t0ken-for-tests-0123456789"
 
@@ -166,7 +167,7 @@ def _metrics_families(body: bytes) -> dict:
 def test_metrics_of_a_run_directory_scraped_by_the_prometheus_parser(tmp_path):
     rd = RunDir(tmp_path).ensure()
     writers = {r: TelemetryWriter(rd, r, start_thread=False) for r in (0, 1)}
-    watcher = Watcher(rd, hang_timeout=300, straggler_ratio=2, started=time.time())
+    watcher = Watcher(rd, options=RunOptions(hang_timeout=300, straggler_ratio=2), started=time.time())
     metrics = RunMetrics(rd, node="node0")
     now = time.time()
     for r, w in writers.items():

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 import psutil
 
-from sddoctor.ranks.status import STARTUP_ALLOWANCE, RankInputs, RankStatus, RateTracker, derive
+from sddoctor.ranks.status import RankInputs, RankStatus, RateTracker, derive
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state, registry
+from sddoctor.telemetry.runinfo import RunInfo, read_run_info
 
 HTTP_TIMEOUT = 2.0
 
@@ -88,6 +89,7 @@ class RunDirFeed:
         verdicts = self._read_verdicts()
         report.verdicts = [dict(v, source=self.label) for v in verdicts]
         now = self.clock()
+        run = read_run_info(self.run_dir)
         for rank in self.run_dir.ranks():
             if rank not in self._tails:
                 self._tails[rank] = EventTail(self.run_dir.events_file(rank))
@@ -107,7 +109,9 @@ class RunDirFeed:
             inputs.pid_alive = None
             if self.pid_alive is not None and host == self.hostname and isinstance(pid, int):
                 inputs.pid_alive = self.pid_alive(pid)
-            report.ranks.append(derive(inputs, rates, verdicts, now, *_startup(self.run_dir.run_info())))
+            report.ranks.append(
+                derive(inputs, rates, verdicts, now, run.options.startup_timeout, run.started)
+            )
         return report
 
     def _read_verdicts(self) -> list[dict[str, Any]]:
@@ -164,8 +168,8 @@ class HttpFeed:
             return report
         verdicts = _verdicts_of(payload)
         report.verdicts = [dict(v, source=self.label) for v in verdicts]
-        run = payload.get("run") if isinstance(payload.get("run"), dict) else {}
-        run_path = run.get("run_dir") or run.get("path")
+        run = RunInfo.of(payload.get("run"), source=f"{self.url} run")
+        run_path = run.record.get("run_dir") or run.record.get("path")
         if isinstance(run_path, str) and Path(run_path).is_dir():
             report.run_dirs[self.label] = Path(run_path)  # same machine: stack dumps are readable
         elif self.run_dir is not None:
@@ -185,20 +189,10 @@ class HttpFeed:
                 if isinstance(state.get(kind), dict):
                     setattr(inputs, kind, state[kind])
             rates = self._rates.setdefault(rank, RateTracker())
-            run = payload.get("run") if isinstance(payload.get("run"), dict) else {}
-            report.ranks.append(derive(inputs, rates, verdicts, now, *_startup(run)))
+            report.ranks.append(
+                derive(inputs, rates, verdicts, now, run.options.startup_timeout, run.started)
+            )
         return report
-
-
-def _startup(run: dict[str, Any]) -> tuple[float, float | None]:
-    """(start-up allowance, start time) of a run from its run.json record."""
-    options = run.get("options") if isinstance(run.get("options"), dict) else {}
-    allowance = options.get("startup_timeout")
-    started = run.get("started")
-    return (
-        float(allowance) if isinstance(allowance, (int, float)) and allowance > 0 else STARTUP_ALLOWANCE,
-        float(started) if isinstance(started, (int, float)) else None,
-    )
 
 
 class MultiFeed:

@@ -13,8 +13,8 @@ docs/telemetry.md, and a few of its events) and the verdicts of `sddoctor run`; 
   exited        exited normally
   running       no step reported, but collectives are issued (an unchanged program without DDP):
                 its last collective and how many it issues a second
-  stuck         no step and no collective `STARTUP_ALLOWANCE` s after the rank started (the
-                allowance of `sddoctor run --startup-timeout`); its stack once sddoctor took it
+  stuck         no step and no collective the start-up allowance after the rank started (run.json's
+                `sddoctor run --startup-timeout`, else its default); its stack once sddoctor took it
   starting      no step finished and no collective issued yet, within the allowance
 """
 
@@ -25,13 +25,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sddoctor.telemetry.runinfo import STARTUP_TIMEOUT
+
 COLLECTIVE_SHOWN_AFTER = 1.0
 HUNG_AFTER = 120.0
 SILENT_AFTER = 30.0
 FALLBACK_SHOWN_FOR = 60.0
 RATE_WINDOW = 30.0
-#: seconds a rank may spend starting (imports, model loading, rendezvous): `sddoctor run`'s default
-STARTUP_ALLOWANCE = 900.0
 
 
 @dataclass
@@ -151,7 +151,7 @@ def derive(
     rates: RateTracker,
     verdicts: list[dict[str, Any]],
     now: float,
-    startup_allowance: float = STARTUP_ALLOWANCE,
+    startup_allowance: float = STARTUP_TIMEOUT,
     run_started: float | None = None,
 ) -> RankStatus:
     """The rank's status at `now`. `startup_allowance` and `run_started` (the run's start, used when

@@ -14,21 +14,15 @@ from sddoctor.supervise.lifecycle import lease_status
 from sddoctor.supervise.report import attach_preflight, build_report
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir, read_json
-from sddoctor.telemetry.validate import clean_run_info
+from sddoctor.telemetry.runinfo import read_run_info
 
 
 def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any]:
     """A report dict built from the files alone (nothing is written)."""
     now = time.time() if now is None else now
-    info = clean_run_info(read_json(run_dir.run_json) or {})
-    options = info.get("options") or {}
-    watcher = Watcher(
-        run_dir,
-        hang_timeout=float(options.get("hang_timeout") or 300.0),
-        straggler_ratio=float(options.get("straggler_ratio") or 2.0),
-        startup_timeout=float(options.get("startup_timeout") or 900.0),
-        started=float(info.get("started") or info.get("created") or now),
-    )
+    run = read_run_info(run_dir)
+    info = run.record
+    watcher = Watcher(run_dir, options=run.options, started=run.start if run.start else now)
     watcher.poll(now)
     host = socket.gethostname()
     last_progress = None
@@ -112,7 +106,7 @@ _REPORT_FIELDS = {
     "stacks": "dict",
     "launcher": "dict",
     "preflight": "dict",
-    "flight_recorder": "dict",
+    "flight_recorder": "dict?",
 }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sddoctor.telemetry.runinfo import HANG_TIMEOUT, STARTUP_TIMEOUT, STRAGGLER_RATIO
+
 #: Verdict kinds, in the order a report lists them when several apply.
 VERDICT_KINDS = (
     "crash",
@@ -168,11 +170,11 @@ class RunState:
     world_size: int | None = None
     #: Last time any rank made progress (a new step, a collective issued or completed).
     last_progress: float | None = None
-    hang_timeout: float = 300.0
-    straggler_ratio: float = 2.0
+    hang_timeout: float = HANG_TIMEOUT
+    straggler_ratio: float = STRAGGLER_RATIO
     #: Allowance for start-up (imports, model loading, rendezvous): a rank that has issued no
     #: collective and finished no step is not hung before this many seconds after the start.
-    startup_timeout: float = 900.0
+    startup_timeout: float = STARTUP_TIMEOUT
     #: Processes of the job that are not ranks (yet): {pid, spawn_index, argv, stack} (mp.spawn
     #: workers before init_process_group, for a start-up hang).
     unjoined: list[dict[str, Any]] = field(default_factory=list)

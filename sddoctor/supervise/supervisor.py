@@ -26,6 +26,7 @@ from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.supervise.straggler import Episode, StragglerTracker
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
 from sddoctor.telemetry import RunDir, registry
+from sddoctor.telemetry.runinfo import RunOptions, read_run_info
 
 #: Exit codes of `sddoctor run` besides the job's own (docs/run.md has the table).
 EXIT_USAGE = 2
@@ -46,10 +47,8 @@ class Options:
     run_dir: RunDir
     env: dict[str, str]
     run_info: dict[str, Any]
-    hang_timeout: float = 300.0
-    startup_timeout: float = 900.0
-    on_hang: str = "dump"
-    straggler_ratio: float = 2.0
+    #: hang timeout, start-up allowance, straggler ratio, what to do on a hang
+    run_options: RunOptions = RunOptions()
     port: int | None = 0
     bind: str = "127.0.0.1"
     native: bool = False
@@ -69,13 +68,7 @@ class Supervisor:
         self.started = time.time()
         self.job = Job(command=opts.command, env=opts.env, run_dir=opts.env["SDDOCTOR_RUN_DIR"])
         self.job_log = opts.run_dir.path / STDERR_FILE
-        self.watcher = Watcher(
-            opts.run_dir,
-            hang_timeout=opts.hang_timeout,
-            straggler_ratio=opts.straggler_ratio,
-            started=self.started,
-            startup_timeout=opts.startup_timeout,
-        )
+        self.watcher = Watcher(opts.run_dir, options=opts.run_options, started=self.started)
         self.state: RunState = self.watcher.state()
         self.verdicts: list[Verdict] = []
         self.hang_verdicts: list[Verdict] = []  # frozen at the hang, survive our own kill
@@ -243,7 +236,7 @@ class Supervisor:
         alive = {r.rank: r.pid for r in state.ranks.values() if not r.exited and r.pid is not None}
         alive = {r: p for r, p in alive.items() if r in self.job.ranks}  # only processes on this node
         unjoined = self._unjoined()
-        if self.opts.on_hang in ("dump", "kill") and (alive or unjoined):
+        if self.opts.run_options.on_hang in ("dump", "kill") and (alive or unjoined):
             backends = {r.state.get("backend") for r in state.ranks.values()}
             dump_asked_at = None
             if "nccl" in backends and flightrec.trigger(self.job.env, sorted(alive)):
@@ -283,7 +276,7 @@ class Supervisor:
         self.handling_hang = True
         self.state, self.verdicts = state, merge_verdicts(self.hang_verdicts, self.verdicts)
         self._publish()  # the peers learn of the hang now, not at the next tick
-        if self.opts.on_hang == "kill":
+        if self.opts.run_options.on_hang == "kill":
             self._await_peer_stacks()
             self.say(f"--on-hang kill: stopping the job; its output from now on goes to {self.job_log} only")
             self.job.mute_console.set()
@@ -425,7 +418,7 @@ class Supervisor:
         report = build_report(
             state,
             verdicts,
-            run_info=self.opts.run_dir.run_info() or self.opts.run_info,
+            run_info=read_run_info(self.opts.run_dir).record or self.opts.run_info,
             outcome=outcome,
             exit_code=exit_code,
             job_exit_code=self.job.exit_code,
@@ -444,7 +437,7 @@ class Supervisor:
         state = self.state
         snapshot = {
             "v": 1,
-            "run": self.opts.run_dir.run_info() or self.opts.run_info,
+            "run": read_run_info(self.opts.run_dir).record or self.opts.run_info,
             "node": {"host": socket.gethostname(), "node_rank": self.opts.node_rank},
             "ranks": {str(r): rank_summary(state.ranks[r], state) for r in sorted(state.ranks)},
             "verdicts": [v.to_dict() for v in self.verdicts],

@@ -12,6 +12,7 @@ from typing import Any
 
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
+from sddoctor.telemetry.runinfo import RunOptions
 from sddoctor.telemetry.timeline import decode_calls, timeline_file
 
 #: Event kinds the diagnosis keeps (steps and summaries are only counted).
@@ -27,16 +28,12 @@ class Watcher:
         self,
         run_dir: RunDir,
         *,
-        hang_timeout: float,
-        straggler_ratio: float,
         started: float,
-        startup_timeout: float = 900.0,
+        options: RunOptions = RunOptions(),
     ) -> None:
         self.run_dir = run_dir
         self.started = started
-        self.hang_timeout = hang_timeout
-        self.straggler_ratio = straggler_ratio
-        self.startup_timeout = startup_timeout
+        self.options = options
         #: from RUN_DIR/procs/: mp.spawn parents (launcher-PID) and workers (pid-PID)
         self.spawned_nprocs: int | None = None
         self.spawner_pids: set[int] = set()
@@ -247,9 +244,9 @@ class Watcher:
             ranks=self.ranks,
             world_size=self.world_size,
             last_progress=self.last_progress,
-            hang_timeout=self.hang_timeout,
-            straggler_ratio=self.straggler_ratio,
-            startup_timeout=self.startup_timeout,
+            hang_timeout=self.options.hang_timeout,
+            straggler_ratio=self.options.straggler_ratio,
+            startup_timeout=self.options.startup_timeout,
             spawned_nprocs=self.spawned_nprocs,
         )
 

@@ -240,4 +240,4 @@ class RunRecord(TypedDict, total=False):
     supervisor_pid: int
     options: RunOptionsRecord
     endpoint: str
-    fault: str
+    fault: str | None
