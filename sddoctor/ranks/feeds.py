@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from sddoctor.ranks.status import RankInputs, RankStatus, RateTracker, derive
-from sddoctor.telemetry import EventTail, RunDir, read_json, read_state, registry
+from sddoctor.telemetry import EventTail, RankSnapshot, RunDir, StepRecord, read_json, read_state, registry
 from sddoctor.telemetry.runinfo import RunInfo, read_run_info
 
 HTTP_TIMEOUT = 2.0
@@ -100,12 +100,14 @@ class RunDirFeed:
             for ev in tail.poll():
                 kind = ev.get("kind")
                 if kind == "step":
-                    rates.add(ev.get("t"), ev.get("step"), ev.get("samples"))
+                    step = StepRecord.of(ev)
+                    rates.add(step.t, step.step, step.samples)
                 elif kind in ("start", "exit", "exception", "fallback", "oom"):
                     setattr(inputs, kind, ev)
             inputs.state = read_state(self._state_files[rank])
-            host = (inputs.state or {}).get("host") or (inputs.start or {}).get("host")
-            pid = (inputs.state or {}).get("pid") or (inputs.start or {}).get("pid")
+            snapshot, start = RankSnapshot.of(inputs.state), inputs.start or {}
+            host = snapshot.host or start.get("host")
+            pid = snapshot.pid or start.get("pid")
             inputs.pid_alive = None
             if self.pid_alive is not None and host == self.hostname and isinstance(pid, int):
                 inputs.pid_alive = self.pid_alive(pid)

@@ -27,15 +27,15 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
     host = socket.gethostname()
     last_progress = None
     for rank in watcher.ranks.values():
-        done = rank.last_done or {}
-        for t in (done.get("t"), (rank.state.get("last_step") or {}).get("t")):
-            if isinstance(t, (int, float)):
-                last_progress = max(last_progress or 0.0, float(t))
+        snapshot = rank.snapshot
+        for t in (snapshot.last_done.t if snapshot.last_done else None, snapshot.last_step.t):
+            if t is not None:
+                last_progress = max(last_progress or 0.0, t)
         if rank.exit is None and rank.pid and rank.host == host:
             rank.alive = psutil.pid_exists(rank.pid)
             if not rank.alive:
                 rank.exit = {
-                    "t": rank.state.get("heartbeat") or rank.state.get("t"),
+                    "t": snapshot.alive_at,
                     "source": "process gone without an exit event (killed?)",
                     "unclean": True,
                 }

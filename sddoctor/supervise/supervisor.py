@@ -229,7 +229,7 @@ class Supervisor:
         self._publish()
 
     def on_hang(self, state: RunState) -> None:
-        if any(r.started_work for r in state.ranks.values()):
+        if any(r.snapshot.started_work for r in state.ranks.values()):
             self.say(f"no progress for {state.stalled_for:.0f} s: diagnosing a hang")
         else:
             self.say(f"no rank got past its start-up in {state.now - state.started:.0f} s: diagnosing a hang")
@@ -237,7 +237,7 @@ class Supervisor:
         alive = {r: p for r, p in alive.items() if r in self.job.ranks}  # only processes on this node
         unjoined = self._unjoined()
         if self.opts.run_options.on_hang in ("dump", "kill") and (alive or unjoined):
-            backends = {r.state.get("backend") for r in state.ranks.values()}
+            backends = {r.snapshot.backend for r in state.ranks.values()}
             dump_asked_at = None
             if "nccl" in backends and flightrec.trigger(self.job.env, sorted(alive)):
                 dump_asked_at = time.time()

@@ -95,6 +95,10 @@ class StateSnapshot(TypedDict, total=False):
     local_rank: int
     world_size: int
     device: int | str
+    #: the rank's GPU when it reports it (exact, unlike an index), and the CUDA_VISIBLE_DEVICES its
+    #: device index counts in ("4,5" makes cuda:1 the physical GPU 5)
+    device_uuid: str
+    cuda_visible_devices: str
     backend: str
     status: str
     step: int
