@@ -8,8 +8,8 @@ from typing import Any
 
 import psutil
 
-from sddoctor.supervise.diagnose import diagnose, merge_verdicts, rank_exit
-from sddoctor.supervise.facts import apply_facts, hang_verdicts, read_facts
+from sddoctor.supervise.diagnose import diagnose, merge_verdicts
+from sddoctor.supervise.facts import hang_verdicts, read_facts, settle_exits
 from sddoctor.supervise.lifecycle import lease_status
 from sddoctor.supervise.report import attach_preflight, build_report
 from sddoctor.supervise.watch import Watcher
@@ -40,14 +40,13 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
                     "unclean": True,
                 }
     watcher.last_progress = last_progress or watcher.last_progress
-    state = watcher.state(now)
     facts = read_facts(run_dir)
     if facts is not None and "outcome" in facts:
         # A supervisor watched this run to its end: its facts give the live run's verdict again.
-        apply_facts(state, facts)
+        state = watcher.state(now, facts)
         for rank in state.ranks.values():
             rank.alive = False
-            rank.exit = rank_exit(rank, state)
+        settle_exits(state)
         verdicts = merge_verdicts(hang_verdicts(facts), diagnose(state))
         report = build_report(
             state,
@@ -60,6 +59,7 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
         report["diagnosed_offline"] = True
         attach_preflight(report, run_dir)
         return report
+    state = watcher.state(now)
     supervisor = lease_status(run_dir.path, now)
     if supervisor is not None and supervisor.get("state") == "died":
         # Its processes stopped themselves once it was gone: those deaths are not crashes.

@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts, rank_exit
-from sddoctor.supervise.facts import apply_facts, write_facts
+from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts
+from sddoctor.supervise.facts import settle_exits, write_facts
 from sddoctor.supervise.gpulog import GpuLog
 from sddoctor.supervise.http import EndpointError, StateServer, get_state
 from sddoctor.supervise.lifecycle import STDERR_FILE
@@ -189,25 +189,13 @@ class Supervisor:
         self.watcher.poll(now)
         for peer_state in list(self.remote.values()):
             self.watcher.merge_remote(peer_state.get("ranks") or {}, now)
-        for rank in self.watcher.ranks.values():
-            known = self.job.ranks.get(rank.rank)
-            if (
-                rank.pid is not None
-                and rank.pid in self.job.descendants
-                and (known is None or known.pid != rank.pid)
-            ):
-                self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
-        for rank_id, proc in self.job.ranks.items():
-            rank = self.watcher._rank(rank_id)
-            rank.pid = proc.pid
-            rank.alive = proc.exit is None
-            if proc.exit is not None:
-                rank.exit = {**(rank.exit or {}), **proc.exit}
-        state = self.watcher.state(now)
+        self._merge_processes()
+        # The facts before the straggler update: an episode it declares now is not ready (its
+        # samples come from a thread), so the facts would not hold it yet either way.
+        state = self.watcher.state(now, self.facts())
         declared = self.stragglers.update(state, now)
         if declared is not None:
             self._sample_straggler(declared, state)
-        apply_facts(state, self.facts())
         state.hang_declared_by = self._peer_hang(state)
         if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != state.last_progress):
             self.hang_handled_at = (state.last_progress,)
@@ -227,6 +215,24 @@ class Supervisor:
                 self.printed.add(key)
                 self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
         self._publish()
+
+    def _merge_processes(self) -> None:
+        """What the process watch knows of each rank (its pid, whether it lives, how it ended) into
+        the watcher's ranks; a rank's own word on its pid teaches the process watch."""
+        for rank in self.watcher.ranks.values():
+            known = self.job.ranks.get(rank.rank)
+            if (
+                rank.pid is not None
+                and rank.pid in self.job.descendants
+                and (known is None or known.pid != rank.pid)
+            ):
+                self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
+        for rank_id, proc in self.job.ranks.items():
+            rank = self.watcher._rank(rank_id)
+            rank.pid = proc.pid
+            rank.alive = proc.exit is None
+            if proc.exit is not None:
+                rank.exit = {**(rank.exit or {}), **proc.exit}
 
     def on_hang(self, state: RunState) -> None:
         if any(r.snapshot.started_work for r in state.ranks.values()):
@@ -361,17 +367,10 @@ class Supervisor:
         now = time.time()
         self.tick(now)
         remove_empty_files(self.opts.run_dir.path)
-        for rank_id, proc in self.job.ranks.items():
-            if proc.exit is not None:
-                self.watcher._rank(rank_id).exit = {**(self.watcher.ranks[rank_id].exit or {}), **proc.exit}
-                self.watcher.ranks[rank_id].alive = False
-        state = self.watcher.state(now)
-        self.stragglers.final(state, now)
+        self.stragglers.final(self.watcher.state(now), now)  # before the facts, which hold its episodes
         facts = self.facts(final=True)
-        apply_facts(state, facts)
-        for rank in state.ranks.values():
-            if rank.exit is not None or any(f.get("rank") == rank.rank for f in state.launcher_failures):
-                rank.exit = rank_exit(rank, state)  # the launcher's word on signals, for the report
+        state = self.watcher.state(now, facts)
+        settle_exits(state)
         self.verdicts = merge_verdicts(self.hang_verdicts, diagnose(state))
         self.state = state
         job_code = self.job.exit_code

@@ -10,6 +10,7 @@ import re
 import time
 from typing import Any
 
+from sddoctor.supervise.facts import apply_facts
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
 from sddoctor.telemetry.runinfo import RunOptions
@@ -216,9 +217,12 @@ class Watcher:
         elif known.duration is None and duration is not None:
             known.duration = duration
 
-    def state(self, now: float | None = None) -> RunState:
+    def state(self, now: float | None = None, facts: dict[str, Any] | None = None) -> RunState:
+        """The run at `now` as its files (and what was merged into `ranks`) show it; with `facts`
+        (a supervisor.json record, live or read back) also what only the supervisor saw. The one
+        builder of RunState: `sddoctor run` and the offline diagnosis both use it."""
         now = time.time() if now is None else now
-        return RunState(
+        state = RunState(
             now=now,
             started=self.started,
             ranks=self.ranks,
@@ -229,6 +233,9 @@ class Watcher:
             startup_timeout=self.options.startup_timeout,
             spawned_nprocs=self.spawned_nprocs,
         )
+        if facts is not None:
+            apply_facts(state, facts)
+        return state
 
 
 _FAILURE_BLOCK = re.compile(
