@@ -46,10 +46,6 @@ class GpuSource(Protocol):
     def close(self) -> None: ...
 
 
-class _Unsupported(Exception):
-    pass
-
-
 class NvmlSource:
     """Local GPUs through NVML. Never raises for a missing driver: `available` is False and
     `note` says why, so callers still show host and rank data."""

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import functools
 import inspect
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -588,17 +587,6 @@ def active() -> Tracer | None:
 
 def is_traced(fn: Any) -> bool:
     return getattr(fn, "__sddoctor_original__", None) is not None
-
-
-@contextlib.contextmanager
-def untraced() -> Iterator[None]:
-    """Collectives issued inside are not counted (for comm hooks that issue their own)."""
-    before = getattr(_tls, "busy", False)
-    _tls.busy = True
-    try:
-        yield
-    finally:
-        _tls.busy = before
 
 
 def _patch(dist: Any, c10d: Any) -> None:

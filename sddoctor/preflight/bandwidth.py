@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-OPS = ("all_reduce", "all_gather", "broadcast")
 ELEMENT_BYTES = 4  # float32
 #: SDDOCTOR_PREFLIGHT_FAULT=hang:RANK (sleep forever before joining) or exit:RANK (exit 3 before joining).
 FAULT_ENV = "SDDOCTOR_PREFLIGHT_FAULT"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from sddoctor import exitcodes
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
 from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts
@@ -27,12 +28,6 @@ from sddoctor.supervise.straggler import Episode, StragglerTracker
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
 from sddoctor.telemetry import RunDir, registry
 from sddoctor.telemetry.runinfo import RunOptions, read_run_info
-
-#: Exit codes of `sddoctor run` besides the job's own (docs/run.md has the table).
-EXIT_USAGE = 2
-EXIT_HANG_KILLED = 124
-EXIT_NOT_FOUND = 127
-EXIT_INTERRUPTED = 130
 
 POLL_SECONDS = 1.0
 #: With --peers and --on-hang kill: how long a node that diagnosed a hang waits for the other
@@ -375,9 +370,9 @@ class Supervisor:
         self.state = state
         job_code = self.job.exit_code
         if self.killed_for_hang:
-            code, outcome = EXIT_HANG_KILLED, "hang"
+            code, outcome = exitcodes.HANG_KILLED, "hang"
         elif self.stopped_by == "interrupt":
-            code, outcome = EXIT_INTERRUPTED, "interrupted"
+            code, outcome = exitcodes.INTERRUPTED, "interrupted"
         elif self.stopped_by is not None:
             code, outcome = 128 + int(getattr(signal, f"SIG{self.stopped_by[3:]}", 15)), "interrupted"
         else:

@@ -91,7 +91,6 @@ class MonitorApp(App[None]):
         self.report: RankReport | None = None
         self.overview: Overview | None = None
         self.gpu_updates = 0
-        self.rank_updates = 0
         self._stop = threading.Event()
         self._poll_now = threading.Event()
         self._shown_ranks: list[RankStatus] = []
@@ -183,7 +182,6 @@ class MonitorApp(App[None]):
             self.gpu_updates += 1
         if report is not None:
             self.report = report
-            self.rank_updates += 1
         self._render()
 
     @property

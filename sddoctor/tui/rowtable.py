@@ -162,9 +162,6 @@ class RowTable(ScrollView, can_focus=True):
     def column_index(self, title: str) -> int:
         return next(i for i, c in enumerate(self.columns) if c.title == title)
 
-    def row_key(self, index: int) -> str:
-        return self._rows[index][0]
-
     @property
     def shown_columns(self) -> list[str]:
         """Titles of the columns drawn at the present width."""
