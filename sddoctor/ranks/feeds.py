@@ -179,7 +179,7 @@ class HttpFeed:
         if self.job_dir:
             report.job_dirs[self.label] = self.job_dir
         now = self.clock()
-        ranks = payload.get("ranks") if isinstance(payload.get("ranks"), dict) else {}
+        ranks: dict[str, Any] = payload["ranks"] if isinstance(payload.get("ranks"), dict) else {}
         for key, state in sorted(ranks.items(), key=lambda kv: _rank_key(kv[0])):
             if not isinstance(state, dict):
                 continue

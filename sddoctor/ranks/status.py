@@ -197,7 +197,8 @@ def derive(
         status.last_collective = f"{done.op or '?'} #{_seq(done)}" + (
             f" {_fmt_seconds(dur)}" if dur is not None else ""
         )
-    status.call_site = (oldest or done).caller if (oldest or done) is not None else None
+    where = oldest or done
+    status.call_site = where.caller if where is not None else None
     if oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
         status.inflight = f"{oldest.op or 'collective'} #{_seq(oldest)}"
         status.inflight_for = now - _since(oldest, now)

@@ -128,7 +128,7 @@ def _exception_location(exc: dict[str, Any] | None, rank: RankState | None = Non
 
 
 def _fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
-    for event in reversed(rank.faults):
+    for event in rank.faults[::-1]:
         spec = str(event.get("fault", ""))
         if spec.split(":", 1)[0] in kinds:
             return event
@@ -262,12 +262,10 @@ def _after_dump(state: RunState, rank: RankState, exit_info: dict[str, Any] | No
     """Seconds between the flight-recorder dump request and this rank's death by a crash signal."""
     asked_at = (state.flight_recorder or {}).get("asked_at")
     sig = (exit_info or {}).get("signal")
-    if asked_at is None or sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
+    if not isinstance(asked_at, (int, float)) or sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
         return None
-    died = _death_time(rank)
-    if died == float("inf") or not 0 <= died - asked_at <= DUMP_CRASH_WINDOW:
-        return None
-    return died - asked_at
+    after = _death_time(rank) - float(asked_at)  # inf when the death time is unknown
+    return after if 0 <= after <= DUMP_CRASH_WINDOW else None
 
 
 def _crash_verdict(
@@ -444,7 +442,9 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                     f"allocated {_gib(oom.get('mem_alloc'))}, reserved {_gib(oom.get('mem_reserved'))}"
                     f" of {_gib(oom.get('mem_total'))}"
                 )
-            details = {k: oom.get(k) for k in ("step", "phase", "micro_batch", "grad_accum") if k in oom}
+            details: dict[str, Any] = {
+                k: oom.get(k) for k in ("step", "phase", "micro_batch", "grad_accum") if k in oom
+            }
             details.update(
                 mem_alloc=oom.get("mem_alloc"),
                 mem_reserved=oom.get("mem_reserved"),
@@ -553,12 +553,12 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     # The collective the waiting ranks are stuck in: per pg, the highest seq in flight.
     waiting: dict[tuple[str, int], list[int]] = {}
     calls: dict[int, Collective] = {}
-    for rank in state.ranks.values():
-        if rank.exited or not rank.snapshot.inflight:
+    for one in state.ranks.values():
+        if one.exited or not one.snapshot.inflight:
             continue
-        c = max(rank.snapshot.inflight, key=lambda c: c.seq or 0)
-        calls[rank.rank] = c
-        waiting.setdefault((c.pg, c.seq or 0), []).append(rank.rank)
+        c = max(one.snapshot.inflight, key=lambda c: c.seq or 0)
+        calls[one.rank] = c
+        waiting.setdefault((c.pg, c.seq or 0), []).append(one.rank)
     evidence = [
         _position(state.ranks[r]) if r in state.ranks else f"rank {r}: never reported" for r in expected
     ]
@@ -574,8 +574,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
             return [startup]
         loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]
         if loaders:
-            culprit = state.ranks[loaders[0]]
-            location, how = _where(culprit)
+            location, how = _where(state.ranks[loaders[0]])
             return [
                 Verdict(
                     "hang.dataloader",
@@ -643,7 +642,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         culprits = absent
         loaders = [r for r in culprits if r in state.ranks and _in_dataloader(state.ranks[r])]
         culprit_rank = _pick_culprit(state, culprits, ("skip",))
-        rank = state.ranks.get(culprit_rank)
+        rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
         if rank is None:
             location, how = _never_joined(state, culprit_rank) if culprit_rank is not None else (None, "")
         elif rank.exited:

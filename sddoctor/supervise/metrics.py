@@ -333,6 +333,7 @@ class RunMetrics:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         node = [self.node]
+        fam: CounterMetricFamily | GaugeMetricFamily
         fam = CounterMetricFamily("sddoctor_hangs", "Hangs diagnosed on this node.", labels=["node"])
         fam.add_metric(node, hangs)
         yield fam

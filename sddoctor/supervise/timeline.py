@@ -171,7 +171,7 @@ def _lane(rank: int, data: dict[str, Any]) -> Lane:
     lane.calls.sort(key=lambda c: c.t0)
     lane.steps = _steps(rank, events)
     lane.marks = [m for e in events if (m := _event_mark(rank, e)) is not None]
-    exit_info = record.get("exit") if isinstance(record.get("exit"), dict) else {}  # a report's rank entry
+    exit_info: dict[str, Any] = record["exit"] if isinstance(record.get("exit"), dict) else {}  # report's
     _bounds(lane, events, snapshot, exit_info)
     return lane
 

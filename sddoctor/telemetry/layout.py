@@ -107,10 +107,12 @@ class RunDir:
         return info
 
     def run_info(self) -> dict[str, Any]:
+        """run.json as written, for merging into it (readers use `runinfo.read_run_info`)."""
         try:
-            return json.loads(self.run_json.read_text())
+            doc = json.loads(self.run_json.read_text())
         except (OSError, ValueError):
             return {}
+        return doc if isinstance(doc, dict) else {}
 
 
 def atomic_write_text(path: Path, text: str) -> None:

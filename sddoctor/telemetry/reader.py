@@ -190,7 +190,7 @@ class RankView:
         return RankSnapshot.of(self.state)
 
     def last(self, kind: str) -> dict[str, Any] | None:
-        for event in reversed(self.events):
+        for event in self.events[::-1]:
             if event.get("kind") == kind:
                 return event
         return None
@@ -229,9 +229,10 @@ class RunView:
         if isinstance(ws, int):
             return ws
         for view in self.ranks.values():
-            start = view.last("start")
-            if start and isinstance(start.get("world_size"), int):
-                return start["world_size"]
+            start = view.last("start") or {}
+            ws = start.get("world_size")
+            if isinstance(ws, int):
+                return ws
         return None
 
     def report(self) -> dict[str, Any] | None:

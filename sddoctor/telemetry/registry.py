@@ -22,6 +22,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,9 @@ ENTRY_VERSION = 1
 MAX_ENTRY_BYTES = 64 * 1024
 
 
-def registry_dir(env: dict[str, str] | None = None) -> Path:
+def registry_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where the entries live: under $XDG_RUNTIME_DIR when it is set, else under ~/.cache."""
-    env = os.environ if env is None else env
+    env = os.environ if environ is None else environ
     runtime = env.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
         return Path(runtime) / "sddoctor" / "runs"

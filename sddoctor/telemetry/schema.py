@@ -53,4 +53,3 @@ class EventKind(str, Enum):
 
     def __str__(self) -> str:  # json.dumps of a str-Enum already writes the value
         return self.value
-

@@ -144,9 +144,9 @@ def _inner(hint: Any) -> Callable[[Any, str], Any] | None:
     """How the value of a field of this annotation is cleaned inside, once its kind is right:
     a nested record field by field, a list of records record by record, a {str: scalar}
     object value by value, a list of strings as strings; None for everything else."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
-        hint = args[0]
+    members = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(members) == 1:
+        hint = members[0]
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if typing.is_typeddict(hint):
         return lambda value, source: clean_record(value, hint, source) or {}

@@ -13,8 +13,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sddoctor import exitcodes
+
+if TYPE_CHECKING:  # imported where used: the screen's start-up time counts
+    from sddoctor.gpu.collector import Collector
+    from sddoctor.ranks.feeds import RankFeed
+    from sddoctor.telemetry.registry import LiveRun
 
 EXIT_OK = exitcodes.OK
 EXIT_USAGE = exitcodes.USAGE
@@ -91,7 +97,7 @@ def _check_endpoint(text: str) -> str | None:
     return f"{host}:{int(port)}"
 
 
-def make_feed(args: argparse.Namespace, live: list | None = None):  # type: ignore[no-untyped-def]
+def make_feed(args: argparse.Namespace, live: list[LiveRun] | None = None) -> RankFeed | None:
     """The rank feed the arguments ask for (None: no run). Raises ValueError with a user message.
 
     With neither --run-dir, --connect nor --no-run: the one live run of this user on this host
@@ -102,7 +108,7 @@ def make_feed(args: argparse.Namespace, live: list | None = None):  # type: igno
     from sddoctor.telemetry import find_latest_run
     from sddoctor.telemetry.reader import unreadable
 
-    feeds = []
+    feeds: list[RankFeed] = []
     if args.run_dir:
         path = Path(args.run_dir)
         if not path.is_dir():
@@ -186,7 +192,7 @@ def main(argv: list[str]) -> int:
 ONCE_CPU_WINDOW = 0.1
 
 
-def print_once(collector, feed, as_json: bool) -> int:  # type: ignore[no-untyped-def]
+def print_once(collector: Collector, feed: RankFeed | None, as_json: bool) -> int:
     from sddoctor.ranks.feeds import RankReport
     from sddoctor.ranks.overview import Overview
     from sddoctor.telemetry.validate import PROBLEMS

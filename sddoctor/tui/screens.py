@@ -27,7 +27,7 @@ from sddoctor.ranks.status import RankStatus
 from sddoctor.telemetry.registry import LiveRun
 from sddoctor.tui.format import age, gib, loss, num, pct
 from sddoctor.tui.paths import short_path, short_site, shorten_paths_in
-from sddoctor.tui.rowtable import Column, RowTable
+from sddoctor.tui.rowtable import Cell, Column, RowTable
 from sddoctor.tui.views import STATE_STYLE, collective_cell
 
 HELP_TEXT = """\
@@ -229,7 +229,7 @@ class RunsScreen(ModalScreen["LiveRun | None"]):
     def on_mount(self) -> None:
         now = time.time() if self.now is None else self.now
         home = os.path.expanduser("~")
-        rows = []
+        rows: list[tuple[str, list[Cell]]] = []
         for i, run in enumerate(self.runs):
             cells = [
                 run.label,
