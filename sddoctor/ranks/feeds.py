@@ -21,6 +21,7 @@ import psutil
 
 from sddoctor.ranks.status import RankInputs, RankStatus, RateTracker, derive
 from sddoctor.telemetry import EventTail, RankSnapshot, RunDir, StepRecord, read_json, read_state, registry
+from sddoctor.telemetry.layout import RUN_BASES
 from sddoctor.telemetry.runinfo import RunInfo, read_run_info
 
 HTTP_TIMEOUT = 2.0
@@ -220,7 +221,7 @@ def guess_job_dir(run_dir: RunDir) -> str | None:
     if live is not None and live.cwd:
         return live.cwd
     parent = run_dir.path.resolve().parent
-    if parent.name in ("sddoctor-runs", "runs"):
+    if parent.name in RUN_BASES:
         return str(parent.parent)
     return None
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from sddoctor import exitcodes
 from sddoctor.telemetry import RunDir, new_run_dir
+from sddoctor.telemetry.layout import RUN_BASES
 from sddoctor.telemetry.redact import redact_argv
 from sddoctor.telemetry.runinfo import HANG_TIMEOUT, ON_HANG, STARTUP_TIMEOUT, STRAGGLER_RATIO, RunOptions
 
@@ -336,7 +337,7 @@ def _make_run_dir(path: str | None) -> RunDir:
     try:
         if path:
             return RunDir(Path(path).resolve()).ensure()
-        return new_run_dir(Path("sddoctor-runs").resolve())
+        return new_run_dir(Path(RUN_BASES[0]).resolve())
     except OSError as exc:
         raise ValueError(f"cannot create the run directory: {exc}; choose another with --run-dir") from None
 
@@ -491,7 +492,7 @@ def _report_run_dir(prog: str, given: str | None) -> tuple[RunDir | None, str | 
 
     if given is None:
         try:
-            found = find_latest_run("sddoctor-runs", "runs")
+            found = find_latest_run(*RUN_BASES)
         except OSError as exc:
             return None, f"cannot look for runs here: {exc}; give one: {prog} DIR"
         if found is None:

@@ -25,6 +25,9 @@ from sddoctor.telemetry.schema import SCHEMA_VERSION
 
 #: Environment variable through which `sddoctor run` hands its run directory to every rank.
 RUN_DIR_ENV = "SDDOCTOR_RUN_DIR"
+#: Where run directories are made by default, under the current directory: `sddoctor run`'s
+#: first, the bundled trainer's second. `sddoctor report` and `sddoctor tui` look in both.
+RUN_BASES = ("sddoctor-runs", "runs")
 
 _RANK_FILE = re.compile(r"rank-(\d+)\.(jsonl|state)$")
 

@@ -47,8 +47,6 @@ keys: ? help, s sort, / filter, enter rank details and stack dump, p pause, r pi
 {exit_codes}
 """.format(exit_codes=exitcodes.help_block("tui"))
 
-DEFAULT_RUN_BASES = ("./sddoctor-runs", "./runs")
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -106,6 +104,7 @@ def make_feed(args: argparse.Namespace, live: list[LiveRun] | None = None) -> Ra
     """
     from sddoctor.ranks.feeds import HttpFeed, MultiFeed, RunDirFeed
     from sddoctor.telemetry import find_latest_run
+    from sddoctor.telemetry.layout import RUN_BASES
     from sddoctor.telemetry.reader import unreadable
 
     feeds: list[RankFeed] = []
@@ -127,7 +126,7 @@ def make_feed(args: argparse.Namespace, live: list[LiveRun] | None = None) -> Ra
     if not feeds and not args.no_run and live:
         feeds += [RunDirFeed(run.run_dir, job_dir=run.cwd) for run in live]
     if not feeds and not args.no_run:
-        latest = find_latest_run(*DEFAULT_RUN_BASES)
+        latest = find_latest_run(*RUN_BASES)
         if latest is not None:
             feeds.append(RunDirFeed(latest))
     if not feeds:
