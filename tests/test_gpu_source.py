@@ -9,11 +9,11 @@ import time
 import pytest
 
 from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.fake_nvml import FakeGpu, FakeNvml, NVMLError, demo_gpus
 from sddoctor.gpu.host import FixedHost, PsutilHost
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.gpu.source import NvmlSource
 from sddoctor.gpu.throttle import decode_clock_events, is_slowdown
+from sddoctor.testing.fake_nvml import FakeGpu, FakeNvml, NVMLError, demo_gpus
 
 
 @pytest.fixture(autouse=True)

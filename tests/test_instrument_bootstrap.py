@@ -171,7 +171,7 @@ def test_hot_path_microbenchmark(tmp_path: Path) -> None:
     """Prints the per-call cost of tracing, of the timeline buffer and of step inference (numbers for
     the record, not timed assertions)."""
     out = subprocess.run(
-        [sys.executable, "-m", "sddoctor.instrument.bench", "--micro", "--calls", "2000", "--json"],
+        [sys.executable, "-m", "benchmarks.instrument_overhead", "--micro", "--calls", "2000", "--json"],
         env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from sddoctor.gpu.fake_nvml import FakeGpu, FakeNvml
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.gpu.source import NvmlSource
 from sddoctor.instrument import tracing
@@ -30,6 +29,7 @@ from sddoctor.telemetry import RunDir, RunView, TelemetryWriter
 from sddoctor.telemetry.environment import comm_env
 from sddoctor.telemetry.layout import rotated_path
 from sddoctor.telemetry.timeline import TimelineWriter, read_timeline, timeline_file
+from sddoctor.testing.fake_nvml import FakeGpu, FakeNvml
 
 T0 = 1_796_000_000.0
 

@@ -24,6 +24,7 @@ from sddoctor.supervise.metrics import RunMetrics
 from sddoctor.supervise.state import Verdict
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir, TelemetryWriter
+from sddoctor.telemetry.runinfo import RunOptions
 
 TOKEN = "t0ken-for-tests-0123456789"
 
@@ -166,7 +167,7 @@ def _metrics_families(body: bytes) -> dict:
 def test_metrics_of_a_run_directory_scraped_by_the_prometheus_parser(tmp_path):
     rd = RunDir(tmp_path).ensure()
     writers = {r: TelemetryWriter(rd, r, start_thread=False) for r in (0, 1)}
-    watcher = Watcher(rd, hang_timeout=300, straggler_ratio=2, started=time.time())
+    watcher = Watcher(rd, options=RunOptions(hang_timeout=300, straggler_ratio=2), started=time.time())
     metrics = RunMetrics(rd, node="node0")
     now = time.time()
     for r, w in writers.items():
@@ -245,9 +246,9 @@ def test_metrics_of_a_run_directory_scraped_by_the_prometheus_parser(tmp_path):
 
 
 def test_metrics_with_gpus_through_a_fake_nvml(tmp_path):
-    from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
     from sddoctor.gpu.nvml import set_nvml_for_tests
     from sddoctor.gpu.source import NvmlSource
+    from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
 
     set_nvml_for_tests(FakeNvml(demo_gpus(2, [[]] * 2)))
     try:

@@ -16,6 +16,7 @@ from sddoctor.supervise.launch import launcher_kind, node_rank_hint, world_size_
 from sddoctor.supervise.procs import Job
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir, TelemetryWriter
+from sddoctor.telemetry.runinfo import RunOptions
 
 
 def _writer(run_dir: RunDir, rank: int) -> TelemetryWriter:
@@ -25,7 +26,7 @@ def _writer(run_dir: RunDir, rank: int) -> TelemetryWriter:
 def test_watcher_sightings_progress_and_exit(tmp_path):
     rd = RunDir(tmp_path).ensure()
     w0 = _writer(rd, 0)
-    watcher = Watcher(rd, hang_timeout=5, straggler_ratio=2, started=100.0)
+    watcher = Watcher(rd, options=RunOptions(hang_timeout=5, straggler_ratio=2), started=100.0)
     done = {
         "pg": "0",
         "seq": 3,

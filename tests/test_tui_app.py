@@ -15,10 +15,10 @@ from textual.widgets._footer import FooterKey
 from tui_fixtures import DEMO_PIDS, demo_collector, demo_feed, frozen_clock, write_demo_run
 
 from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.fake_nvml import FakeGpu, FakeNvml
 from sddoctor.gpu.host import FixedHost
 from sddoctor.gpu.nvml import set_nvml_for_tests
 from sddoctor.gpu.source import NvmlSource
+from sddoctor.testing.fake_nvml import FakeGpu, FakeNvml
 from sddoctor.tui.app import MonitorApp
 from sddoctor.tui.footer import SteadyFooter
 from sddoctor.tui.screens import HelpScreen, RankScreen

@@ -98,7 +98,7 @@ def test_help_has_examples_and_exit_codes():
 
 def test_json_snapshot_without_a_run_needs_neither_torch_nor_a_gpu():
     """The whole app module plus one --json snapshot in a fresh process (start-up time is measured by
-    `python -m sddoctor.tui.bench`, not asserted here)."""
+    `python -m benchmarks.tui_cost`, not asserted here)."""
     code = (
         "import io, contextlib, json, sys; import sddoctor.tui.app, sddoctor.tui.cli as c; buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf): rc = c.main(['--json', '--no-run'])\n"
@@ -116,7 +116,7 @@ def test_benchmark_runs_and_prints_its_table(tmp_path):
         [
             sys.executable,
             "-m",
-            "sddoctor.tui.bench",
+            "benchmarks.tui_cost",
             "--seconds",
             "1",
             "--fake-gpus",

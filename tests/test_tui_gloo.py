@@ -11,12 +11,12 @@ import pytest
 from tui_fixtures import GlooRun
 
 from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
 from sddoctor.gpu.host import PsutilHost
 from sddoctor.gpu.nvml import set_nvml_for_tests
-from sddoctor.gpu.overview import Overview
-from sddoctor.gpu.rankfeeds import RunDirFeed
 from sddoctor.gpu.source import NvmlSource
+from sddoctor.ranks.feeds import RunDirFeed
+from sddoctor.ranks.overview import Overview
+from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
 from sddoctor.tui import cli
 from sddoctor.tui.app import MonitorApp
 

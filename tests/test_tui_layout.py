@@ -15,7 +15,7 @@ from test_tui_registry import write_entry
 from tui_fixtures import NOW, demo_collector, demo_feed, frozen_clock, isolate_registry, write_demo_run
 
 from sddoctor.gpu.nvml import set_nvml_for_tests
-from sddoctor.gpu.rankfeeds import RunDirFeed
+from sddoctor.ranks.feeds import RunDirFeed
 from sddoctor.telemetry import registry
 from sddoctor.tui import cli
 from sddoctor.tui.app import MonitorApp

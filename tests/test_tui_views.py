@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sddoctor.gpu.ranks import RankInputs, RankStatus, RateTracker, derive, images_total
+from sddoctor.ranks.status import RankInputs, RankStatus, RateTracker, derive, images_total
 from sddoctor.tui.format import age, gib_short, loss_short, sparkline
 from sddoctor.tui.paths import elide_path
 from sddoctor.tui.rowtable import Column, fit_columns

@@ -17,11 +17,11 @@ import pytest
 
 from conftest import free_port, subprocess_env
 from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
 from sddoctor.gpu.host import FixedHost, ProcessInfo
 from sddoctor.gpu.nvml import set_nvml_for_tests
-from sddoctor.gpu.rankfeeds import RunDirFeed
 from sddoctor.gpu.source import NvmlSource
+from sddoctor.ranks.feeds import RunDirFeed
+from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
 
 NOW = 1_800_000_000.0  # the frozen "now" of the demo
 DEMO_PIDS = tuple(41001 + i for i in range(8))

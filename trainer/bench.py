@@ -951,4 +951,7 @@ def write_outputs(path: str, report: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    from trainer import exit_if_stack_missing
+
+    exit_if_stack_missing("trainer.bench")
     raise SystemExit(main())

@@ -12,9 +12,9 @@ export OMP_NUM_THREADS=4 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 90 python -m pytest -q -p no:cacheprovider tests/test_instrument_cuda.py -rs \
   > "$OUT/instrument_cuda_tests.txt" 2>&1
 echo "cuda tests exit $?" >> "$OUT/instrument_cuda_tests.txt"
-timeout 110 python -m sddoctor.instrument.bench --blocks 10 --steps 30 \
+timeout 110 python -m benchmarks.instrument_overhead --blocks 10 --steps 30 \
   > "$OUT/instrument_bench.txt" 2>&1
 echo "bench exit $?" >> "$OUT/instrument_bench.txt"
-timeout 40 python -m sddoctor.instrument.bench --micro \
+timeout 40 python -m benchmarks.instrument_overhead --micro \
   > "$OUT/instrument_micro.txt" 2>&1
 cat "$OUT"/instrument_*.txt

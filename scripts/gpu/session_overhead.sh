@@ -9,6 +9,6 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4
 PY=${PYTHON:-python3}
 bash scripts/gpu/instrument.sh
-timeout 120 $PY -m sddoctor.instrument.bench --unchanged --blocks 12 --steps 30 > "$OUT/instrument_unchanged.txt" 2>&1
+timeout 120 $PY -m benchmarks.instrument_overhead --unchanged --blocks 12 --steps 30 > "$OUT/instrument_unchanged.txt" 2>&1
 echo "unchanged exit $?" >> "$OUT/instrument_unchanged.txt"
 cat "$OUT/instrument_unchanged.txt"

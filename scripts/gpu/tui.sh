@@ -42,8 +42,8 @@ $PY scripts/gpu/tui_compare.py "$OUT/tui.json" "$OUT/smi-gpu.csv" "$OUT/smi-apps
 
 # 2. cost benchmark (4 phases of 10 s at 1 Hz), workload still running
 echo "== benchmark"
-$PY -m sddoctor.tui.bench --seconds "${BENCH_SECONDS:-10}" --size 80x24 --size 200x50 --json "$OUT/bench.json" | tee "$OUT/bench.txt"
-$PY -m sddoctor.tui.bench --seconds 5 --fake-gpus 8 --skip-app --json "$OUT/bench-fake8.json" | tee "$OUT/bench-fake8.txt"
+$PY -m benchmarks.tui_cost --seconds "${BENCH_SECONDS:-10}" --size 80x24 --size 200x50 --json "$OUT/bench.json" | tee "$OUT/bench.txt"
+$PY -m benchmarks.tui_cost --seconds 5 --fake-gpus 8 --skip-app --json "$OUT/bench-fake8.json" | tee "$OUT/bench-fake8.txt"
 
 # 3. screenshots of the real app reading the workload's run
 $PY scripts/gpu/tui_screens.py "$RUN" "$OUT"

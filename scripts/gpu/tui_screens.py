@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.rankfeeds import RunDirFeed
 from sddoctor.gpu.source import NvmlSource
+from sddoctor.ranks.feeds import RunDirFeed
 from sddoctor.tui.app import MonitorApp
 
 

@@ -6,9 +6,8 @@ source      GpuSource protocol, NvmlSource, PcieSampler (PCIe off the sampling p
 throttle    clock-event (throttle) reasons decoded to words
 host        psutil: host figures and who each GPU process is
 collector   one sampling round + history for sparklines
-ranks       rank state from telemetry (pure)
-rankfeeds   rank telemetry from a run directory or `sddoctor run` HTTP endpoints
-matching    which GPU process is which rank
-overview    everything one screen shows; the `--json` document
-fake_nvml   a pynvml stand-in for tests and the benchmark
+pci_sysfs   PCIe facts from sysfs (link, ACS, IOMMU group)
+topology    GPUs and the links between each pair (NVML, sysfs)
+
+Which GPU process is which rank, and what each rank does, is `sddoctor.ranks`.
 """

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import psutil
 
 from sddoctor.gpu.samples import HostSample
 from sddoctor.telemetry.redact import redact_argv
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -83,7 +86,7 @@ class PsutilHost:
         return out
 
 
-def _safe(getter):  # type: ignore[no-untyped-def]
+def _safe(getter: Callable[[], T]) -> T | None:
     try:
         return getter()
     except (psutil.AccessDenied, psutil.ZombieProcess):

@@ -31,7 +31,7 @@ def nvml() -> Any:
         if _error is not None:
             raise NvmlUnavailable(_error)
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
         except ImportError:
             _error = "pynvml is not installed (pip install nvidia-ml-py)"
             raise NvmlUnavailable(_error) from None

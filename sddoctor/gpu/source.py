@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from sddoctor.gpu.nvml import NvmlUnavailable, as_str, nvml
@@ -44,10 +45,6 @@ class GpuSource(Protocol):
         """Start slow readers (PCIe) in their own thread."""
 
     def close(self) -> None: ...
-
-
-class _Unsupported(Exception):
-    pass
 
 
 class NvmlSource:
@@ -161,13 +158,13 @@ class _Device:
             nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
         )
 
-    def _static(self, read, default):  # type: ignore[no-untyped-def]
+    def _static(self, read: Callable[[], Any], default: Any) -> Any:
         try:
             return read()
         except Exception:  # noqa: BLE001
             return default
 
-    def _read(self, key: str, read, errors: list[str]):  # type: ignore[no-untyped-def]
+    def _read(self, key: str, read: Callable[[], Any], errors: list[str]) -> Any:
         """One NVML read; None when unsupported (remembered) or failed (reported once per sample)."""
         if key in self.unsupported:
             return None
@@ -204,8 +201,9 @@ class _Device:
         s.clock_sm = self._read("clock_sm", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), errors)
         s.clock_mem = self._read("clock_mem", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM), errors)
         s.pstate = self._read("pstate", lambda: nv.nvmlDeviceGetPerformanceState(h), errors)
-        if self._events_call is not None:
-            mask = self._read("clock_events", lambda: self._events_call(h), errors)
+        events_call = self._events_call
+        if events_call is not None:
+            mask = self._read("clock_events", lambda: events_call(h), errors)
             if mask is not None:
                 s.clock_event_mask = int(mask)
                 s.clock_event_reasons = decode_clock_events(int(mask))

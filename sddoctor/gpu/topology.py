@@ -125,10 +125,6 @@ class Topology:
         lo, hi = min(a, b), max(a, b)
         return next((p for p in self.pairs if p.a == lo and p.b == hi), None)
 
-    def by_bus_id(self, bus_id: str) -> Gpu | None:
-        key = normalise_bus_id(bus_id)
-        return next((g for g in self.gpus if g.bus_id == key), None)
-
 
 def expected_pair_gbps(topology: Topology, pair: PairLink) -> tuple[float | None, str]:
     """The bandwidth (GB/s per direction) a collective over this pair should reach, and why."""

@@ -141,7 +141,7 @@ class RankSession:
                 if fault.spec not in self._fired:  # one `fault` event, the first time it fires
                     self._fired.add(fault.spec)
                     self.writer.emit(EventKind.FAULT, fault=fault.spec, step=step, caller=_caller())
-                time.sleep(float(fault.get("seconds")))  # type: ignore[arg-type]
+                time.sleep(float(fault.get("seconds")))
             return
         if fault.kind not in ("kill", "raise") or at != step or fault.get("seq") is not None:
             return
@@ -155,7 +155,7 @@ class RankSession:
         self.writer.emit(EventKind.FAULT, **{**where, "fault": fault.spec})
         self.writer.flush()
         if fault.kind == "kill":
-            os.kill(os.getpid(), int(fault.get("signal", signal.SIGKILL)))  # type: ignore[arg-type]
+            os.kill(os.getpid(), int(fault.get("signal", signal.SIGKILL)))
             time.sleep(5)  # a catchable signal may return; give it time to act
         at = f"step {where['step']}" if "step" in where else f"collective #{where.get('seq')}"
         raise InjectedFault(str(fault.get("message") or f"injected fault {fault.spec!r} at {at}"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from sddoctor.instrument.flight_recorder import FR_BUFFER_ENV, TRACE_BUFFER_ENV, recorder_environment
@@ -67,7 +68,7 @@ def rank_environment(
     return out
 
 
-def is_rank_process(environ: dict[str, str] | None = None, argv: list[str] | None = None) -> bool:
+def is_rank_process(environ: Mapping[str, str] | None = None, argv: list[str] | None = None) -> bool:
     """Whether this process is a rank from its start (a launcher set RANK; see the module docstring)."""
     env = os.environ if environ is None else environ
     if not is_job_process(env, argv) or "RANK" not in env:
@@ -78,7 +79,7 @@ def is_rank_process(environ: dict[str, str] | None = None, argv: list[str] | Non
     return not any(arg == "-c" and "multiprocessing" in nxt for arg, nxt in zip(args, args[1:], strict=False))
 
 
-def is_job_process(environ: dict[str, str] | None = None, argv: list[str] | None = None) -> bool:
+def is_job_process(environ: Mapping[str, str] | None = None, argv: list[str] | None = None) -> bool:
     """Whether this process is part of a supervised job, is no launcher and no child of a rank."""
     env = os.environ if environ is None else environ
     if env.get(BOOTSTRAP_ENV, "1") == "0" or not env.get(RUN_DIR_ENV):

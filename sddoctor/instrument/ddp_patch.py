@@ -55,7 +55,7 @@ def _marking_registration(register: Callable[..., Any]) -> Callable[..., Any]:
 
 def install(_module: Any = None) -> bool:
     """Wrap DistributedDataParallel.__init__ (idempotent). True if it is wrapped now."""
-    mod = sys.modules.get("torch.nn.parallel.distributed")
+    mod: Any = sys.modules.get("torch.nn.parallel.distributed")
     if mod is None:
         import torch.nn.parallel.distributed as mod  # noqa: PLC0415
     cls = mod.DistributedDataParallel
@@ -83,7 +83,7 @@ def install(_module: Any = None) -> bool:
 
 
 def uninstall() -> None:
-    mod = sys.modules.get("torch.nn.parallel.distributed")
+    mod: Any = sys.modules.get("torch.nn.parallel.distributed")
     if mod is None:
         return
     cls = mod.DistributedDataParallel

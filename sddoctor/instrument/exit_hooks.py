@@ -46,7 +46,7 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
             break
     if caller is None:  # none: the innermost outside torch and sddoctor, else the innermost
         outside = [fs for fs in frames if not roots.is_internal(fs.filename)]
-        chosen = (outside or frames or [None])[-1]
+        chosen = outside[-1] if outside else (frames[-1] if frames else None)
         if chosen is not None:
             caller = f"{chosen.filename}:{chosen.lineno}"
     return {

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 FAULT_ENV = "SDDOCTOR_FAULT"
 
@@ -73,13 +74,13 @@ class FaultSpecError(ValueError):
 class Fault:
     kind: str
     ranks: frozenset[int] | None  # None: every rank
-    params: dict[str, object] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)  # numbers and words of the spec
     spec: str = ""
 
     def applies_to(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
 
-    def get(self, key: str, default: object = None) -> object:
+    def get(self, key: str, default: Any = None) -> Any:
         return self.params.get(key, default)
 
 
@@ -223,8 +224,8 @@ def _parse_signal(value: str, spec: str) -> int:
         number = int(value)
     else:
         name = value.upper()
-        number = getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name, None)
-        number = int(number) if number is not None else -1
+        known = getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name, None)
+        number = int(known) if known is not None else -1
     if number not in {int(s) for s in signal.valid_signals()} or number == 0:
         raise FaultSpecError(
             f"{FAULT_ENV}: signal={value!r} in {spec!r} is not a signal of this system; use a number "

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-_callbacks: dict[str, list[Callable[[ModuleType], None]]] = {}
+_callbacks: dict[str, list[Callable[[ModuleType], object]]] = {}
 _lock = threading.Lock()
 
 
-def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
+def when_imported(name: str, callback: Callable[[ModuleType], object]) -> None:
     """Call `callback(module)` once `name` has been imported (now, if it already is)."""
     module = sys.modules.get(name)
     if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is False:
@@ -30,7 +30,7 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
             sys.meta_path.insert(0, _Finder())
 
 
-def _run(callback: Callable[[ModuleType], None], module: ModuleType) -> None:
+def _run(callback: Callable[[ModuleType], object], module: ModuleType) -> None:
     try:
         callback(module)
     except Exception as exc:  # noqa: BLE001 - instrumentation must never break the user's import

@@ -130,16 +130,16 @@ class _OOMFaults:
         for fault in self.faults:
             if fault.get("phase", "forward") != phase:
                 continue
-            if phase == "backward" and bucket is not None and bucket != int(fault.get("bucket", 0)):  # type: ignore[arg-type]
+            if phase == "backward" and bucket is not None and bucket != int(fault.get("bucket", 0)):
                 continue
-            at = int(fault.get("step"))  # type: ignore[arg-type]
+            at = int(fault.get("step"))
             above = fault.get("micro_batch_above")
             times = fault.get("times")
             fired = self.fired.get(fault.spec, 0)
             if above is not None:
-                if step < at or micro_batch <= int(above) or (times is not None and fired >= int(times)):  # type: ignore[arg-type]
+                if step < at or micro_batch <= int(above) or (times is not None and fired >= int(times)):
                     continue
-            elif step != at or fired >= int(times if times is not None else 1):  # type: ignore[arg-type]
+            elif step != at or fired >= int(times if times is not None else 1):
                 continue
             self.fired[fault.spec] = fired + 1
             api.event(EventKind.FAULT, fault=fault.spec, step=step, caller=f"oom_guard:{phase}")
@@ -553,7 +553,8 @@ class OOMGuard:
     def _rewrap(self) -> None:
         # Every rank re-wraps, so that bucket layouts and the once-per-wrapper bucket rebuild
         # stay identical across ranks; the failed rank's reducer is mid-backward and unusable.
-        old, self.model = self.model, None
+        old: Any = self.model
+        self.model = None  # type: ignore[assignment]  # no wrapper until the new one, just below
         # A reducer kept alive by a stray reference would still all-reduce in the next backward.
         if hasattr(getattr(old, "reducer", None), "_remove_autograd_hooks"):
             old.reducer._remove_autograd_hooks()

@@ -95,7 +95,7 @@ def _patch_start_processes(module: Any) -> None:
 
 
 def _patch_process_run(module: Any) -> None:
-    cls = getattr(module, "BaseProcess", None)
+    cls: Any = getattr(module, "BaseProcess", None)
     run = getattr(cls, "run", None)
     if run is None or getattr(run, "__sddoctor_original__", None) is not None:
         return

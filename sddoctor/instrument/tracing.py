@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import functools
 import inspect
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +131,18 @@ class _Rec:
         "deferred",
         "peer",
     )
+    op: str
+    key: str
+    seq: int
+    shapes: list[Any]
+    dtypes: list[Any]
+    file: str
+    line: int
+    t0: float
+    t1: float | None
+    handle: Any  # the Work or CUDA event whose completion is polled
+    deferred: bool
+    peer: int | None
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -405,8 +416,10 @@ class Tracer:
         if group is not None and not _is_world(c10d, group):
             st = self._groups[group] = _Group(group, _group_name(c10d, group))
             return st
-        st = self._groups.get(None)
-        if st is None:
+        found = self._groups.get(None)
+        if found is not None:
+            st = found
+        else:
             try:
                 pg = c10d._get_default_group()
             except Exception:  # noqa: BLE001 - not initialized: torch raises its own error next
@@ -441,13 +454,13 @@ class Tracer:
             at = fault.get("seq")
             if fault.kind == "sleep":
                 every = fault.get("every")
-                if at is None or seq == at or (every and seq >= at and (seq - at) % every == 0):  # type: ignore[operator]
+                if at is None or seq == at or (every and seq >= at and (seq - at) % every == 0):
                     if fault.spec not in self._fired:  # one `fault` event, the first time it fires
                         self._fired.add(fault.spec)
                         self._emit_fault(
                             {"fault": fault.spec, "seq": seq, "pg": key, "op": spec.name, "caller": caller}
                         )
-                    time.sleep(float(fault.get("seconds")))  # type: ignore[arg-type]
+                    time.sleep(float(fault.get("seconds")))
                 continue
             if at != seq or fault.spec in self._fired:
                 continue
@@ -619,17 +632,6 @@ def active() -> Tracer | None:
 
 def is_traced(fn: Any) -> bool:
     return getattr(fn, "__sddoctor_original__", None) is not None
-
-
-@contextlib.contextmanager
-def untraced() -> Iterator[None]:
-    """Collectives issued inside are not counted (for comm hooks that issue their own)."""
-    before = getattr(_tls, "busy", False)
-    _tls.busy = True
-    try:
-        yield
-    finally:
-        _tls.busy = before
 
 
 def _patch(dist: Any, c10d: Any) -> None:
@@ -867,13 +869,13 @@ def _describe(payload: Any, kind: str) -> tuple[list[Any], list[Any], bool]:
         shapes: list[Any] = []
         dtypes: list[Any] = []
         cuda = False
-        for item in payload[:_MAX_LISTED]:
-            item = getattr(item, "tensor", item)  # P2POp
-            shape = getattr(item, "shape", None)
+        for entry in payload[:_MAX_LISTED]:
+            tensor: Any = getattr(entry, "tensor", entry)  # P2POp
+            shape = getattr(tensor, "shape", None)
             if shape is not None:
                 shapes.append(shape)
-                dtypes.append(item.dtype)
-                cuda = cuda or bool(getattr(item, "is_cuda", False))
+                dtypes.append(tensor.dtype)
+                cuda = cuda or bool(getattr(tensor, "is_cuda", False))
         return shapes, dtypes, cuda
     return [], [], False
 

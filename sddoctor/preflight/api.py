@@ -261,7 +261,7 @@ def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list
                 "update the driver; check for Xid errors in dmesg.",
             )
         )
-    hosts = {}
+    hosts: dict[tuple[object, object, object], set[str]] = {}
     for info in result.ranks_info:
         if isinstance(info, dict):
             key = (info.get("torch"), info.get("nccl"), info.get("cuda"))

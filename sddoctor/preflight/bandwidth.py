@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-OPS = ("all_reduce", "all_gather", "broadcast")
 ELEMENT_BYTES = 4  # float32
 #: SDDOCTOR_PREFLIGHT_FAULT=hang:RANK (sleep forever before joining) or exit:RANK (exit 3 before joining).
 FAULT_ENV = "SDDOCTOR_PREFLIGHT_FAULT"
@@ -526,7 +525,7 @@ def _measure_one(op: str, size: int, plan: SweepPlan, rank: int, world: int, dev
         ok = bool(torch.all(inp == 7.0).item())
     else:
         expect = torch.arange(1, world + 1, dtype=torch.float32, device=device).repeat_interleave(count)
-        ok = bool(torch.equal(out, expect))
+        ok = out is not None and bool(torch.equal(out, expect))
     wrong = torch.zeros(world, dtype=torch.float32, device=device)
     wrong[rank] = 0.0 if ok else 1.0
     dist.all_reduce(wrong)

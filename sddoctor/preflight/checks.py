@@ -375,7 +375,7 @@ def check_topology(s: SystemSnapshot) -> list[Finding]:
                 "switch or CPU (CUDA_VISIBLE_DEVICES) for the best bandwidth.",
             )
         )
-    counts = {}
+    counts: dict[str, list[tuple[int, int]]] = {}
     for g in topo.gpus:
         counts.setdefault(g.name, []).append((g.index, len(g.nvlinks)))
     for name, items in counts.items():
@@ -701,14 +701,14 @@ def check_nccl_env(s: SystemSnapshot) -> list[Finding]:
     if spec is not None:
         chosen, _ = nccl_socket_candidates(s.interfaces, env)
         if not chosen:
-            names = ", ".join(f"{i.name}({','.join(i.ipv4) or 'no IPv4'})" for i in s.interfaces)
+            listed = ", ".join(f"{i.name}({','.join(i.ipv4) or 'no IPv4'})" for i in s.interfaces)
             findings.append(
                 Finding(
                     "nccl.env.ifname_missing",
                     "fail",
                     f"NCCL_SOCKET_IFNAME={spec} matches no interface with an address: NCCL init fails "
                     "with 'no socket interface found'",
-                    [f"interfaces here: {names}"],
+                    [f"interfaces here: {listed}"],
                     "Set NCCL_SOCKET_IFNAME to an interface listed above (prefix match; '=' for exact, "
                     "'^' to exclude), or unset it.",
                 )

@@ -37,10 +37,6 @@ class Finding:
         return asdict(self)
 
 
-def severity_rank(severity: str) -> int:
-    return _RANK[severity]
-
-
 def sort_findings(findings: Iterable[Finding]) -> list[Finding]:
     """Worst first; within a severity, in the order the checks produced them."""
     return sorted(findings, key=lambda f: -_RANK[f.severity])

@@ -336,9 +336,11 @@ def read_torch() -> TorchInfo:
                 info.devices.append({"index": index, "error": str(exc)})
                 continue
             bus = None
-            if getattr(props, "pci_bus_id", None) is not None:
+            # not in every torch build's properties (nor in its type stubs)
+            bus_number, device_number = getattr(props, "pci_bus_id", None), getattr(props, "pci_device_id", 0)
+            if bus_number is not None:
                 bus = normalise_bus_id(
-                    f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+                    f"{getattr(props, 'pci_domain_id', 0):04x}:{bus_number:02x}:{device_number:02x}.0"
                 )
             uuid = str(getattr(props, "uuid", "") or "") or None
             info.devices.append(

@@ -13,7 +13,9 @@ from typing import Any
 
 from sddoctor import exitcodes
 from sddoctor.telemetry import RunDir, new_run_dir
+from sddoctor.telemetry.layout import RUN_BASES
 from sddoctor.telemetry.redact import redact_argv
+from sddoctor.telemetry.runinfo import HANG_TIMEOUT, ON_HANG, STARTUP_TIMEOUT, STRAGGLER_RATIO, RunOptions
 
 RUN_EPILOG = """\
 examples:
@@ -102,31 +104,33 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hang-timeout",
         type=_positive,
-        default=300.0,
+        default=HANG_TIMEOUT,
         metavar="SECONDS",
-        help="no progress (no step, no collective issued or completed) for this long is a hang (default 300)",
+        help="no progress (no step, no collective issued or completed) for this long is a hang "
+        f"(default {HANG_TIMEOUT:g})",
     )
     p.add_argument(
         "--startup-timeout",
         type=_positive,
-        default=900.0,
+        default=STARTUP_TIMEOUT,
         metavar="SECONDS",
         help="allowance for start-up (imports, model loading, rendezvous) before a rank that has issued no "
-        "collective and finished no step counts as hung (default 900)",
+        f"collective and finished no step counts as hung (default {STARTUP_TIMEOUT:g})",
     )
     p.add_argument(
         "--on-hang",
         choices=("dump", "kill", "wait"),
-        default="dump",
+        default=ON_HANG,
         help="dump: stacks + report, keep waiting (default); kill: dump, then stop the job (exit 124); "
         "wait: report only, no stacks",
     )
     p.add_argument(
         "--straggler-ratio",
         type=_ratio,
-        default=2.0,
+        default=STRAGGLER_RATIO,
         metavar="R",
-        help="a rank computing R times longer between collectives than the others is a straggler (default 2)",
+        help="a rank computing R times longer between collectives than the others is a straggler "
+        f"(default {STRAGGLER_RATIO:g})",
     )
     p.add_argument(
         "--port",
@@ -219,6 +223,12 @@ def main(argv: list[str]) -> int:
         preflight_failed = _preflight(run_dir, quiet=args.quiet)
         # The ranks need not repeat the checks (the bundled trainer runs them at start otherwise).
         env["SDDOCTOR_PREFLIGHT"] = "0"
+    run_options = RunOptions(
+        hang_timeout=args.hang_timeout,
+        startup_timeout=args.startup_timeout,
+        straggler_ratio=args.straggler_ratio,
+        on_hang=args.on_hang,
+    )
     info: dict[str, Any] = run_dir.write_run_info(
         schema=RUN_SCHEMA,
         command=redact_argv(command),
@@ -231,10 +241,7 @@ def main(argv: list[str]) -> int:
         supervisor_pid=os.getpid(),
         fault=os.environ.get(FAULT_ENV) or None,
         options={
-            "hang_timeout": args.hang_timeout,
-            "startup_timeout": args.startup_timeout,
-            "on_hang": args.on_hang,
-            "straggler_ratio": args.straggler_ratio,
+            **run_options.to_dict(),
             "bind": args.bind if server is not None else None,
             "auth": "token" if token else "none",
         },
@@ -250,10 +257,7 @@ def main(argv: list[str]) -> int:
         run_dir=run_dir,
         env=env,
         run_info=info,
-        hang_timeout=args.hang_timeout,
-        startup_timeout=args.startup_timeout,
-        on_hang=args.on_hang,
-        straggler_ratio=args.straggler_ratio,
+        run_options=run_options,
         port=None,
         bind=args.bind,
         native=args.native,
@@ -333,7 +337,7 @@ def _make_run_dir(path: str | None) -> RunDir:
     try:
         if path:
             return RunDir(Path(path).resolve()).ensure()
-        return new_run_dir(Path("sddoctor-runs").resolve())
+        return new_run_dir(Path(RUN_BASES[0]).resolve())
     except OSError as exc:
         raise ValueError(f"cannot create the run directory: {exc}; choose another with --run-dir") from None
 
@@ -488,7 +492,7 @@ def _report_run_dir(prog: str, given: str | None) -> tuple[RunDir | None, str | 
 
     if given is None:
         try:
-            found = find_latest_run("sddoctor-runs", "runs")
+            found = find_latest_run(*RUN_BASES)
         except OSError as exc:
             return None, f"cannot look for runs here: {exc}; give one: {prog} DIR"
         if found is None:

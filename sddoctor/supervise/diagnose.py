@@ -20,6 +20,7 @@ from typing import Any
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
 from sddoctor.supervise.state import VERDICT_KINDS, RankState, RunState, Verdict
 from sddoctor.supervise.straggler import diagnose_straggler
+from sddoctor.telemetry.snapshot import Collective
 
 #: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
 _PEER_FAILURE = re.compile(
@@ -127,7 +128,7 @@ def _exception_location(exc: dict[str, Any] | None, rank: RankState | None = Non
 
 
 def _fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
-    for event in reversed(rank.faults):
+    for event in rank.faults[::-1]:
         spec = str(event.get("fault", ""))
         if spec.split(":", 1)[0] in kinds:
             return event
@@ -140,13 +141,13 @@ def _where(rank: RankState) -> tuple[str | None, str]:
         frame = rank.stack["top_user_frame"]
         func = rank.stack.get("top_user_function")
         return frame, f"its stack is at {frame}" + (f" in {func}()" if func else "")
-    phase = rank.state.get("phase")
-    done = rank.last_done
-    if done and done.get("caller"):
-        text = f"its last completed collective was {done.get('op')} #{done.get('seq')} at {done['caller']}"
+    phase = rank.snapshot.phase
+    done = rank.snapshot.last_done
+    if done is not None and done.caller:
+        text = f"its last completed collective was {done.op} #{done.seq} at {done.caller}"
         if phase:
             text += f", phase {phase!r}"
-        return str(done["caller"]), text
+        return done.caller, text
     if phase:
         return None, f"it is in phase {phase!r}"
     return None, "no stack or collective record says where"
@@ -162,8 +163,8 @@ def _death_time(rank: RankState) -> float:
     ]
     if known:
         return min(known)
-    last = rank.state.get("t")
-    return float(last) if isinstance(last, (int, float)) else float("inf")
+    last = rank.snapshot.t
+    return last if last is not None else float("inf")
 
 
 def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
@@ -267,12 +268,10 @@ def _after_dump(state: RunState, rank: RankState, exit_info: dict[str, Any] | No
     """Seconds between the flight-recorder dump request and this rank's death by a crash signal."""
     asked_at = (state.flight_recorder or {}).get("asked_at")
     sig = (exit_info or {}).get("signal")
-    if asked_at is None or sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
+    if not isinstance(asked_at, (int, float)) or sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
         return None
-    died = _death_time(rank)
-    if died == float("inf") or not 0 <= died - asked_at <= DUMP_CRASH_WINDOW:
-        return None
-    return died - asked_at
+    after = _death_time(rank) - float(asked_at)  # inf when the death time is unknown
+    return after if 0 <= after <= DUMP_CRASH_WINDOW else None
 
 
 def _crash_verdict(
@@ -281,7 +280,7 @@ def _crash_verdict(
     exc = rank.exception
     fault = _fault_of(rank, ("kill", "raise"))
     location = _exception_location(exc, rank) or (fault or {}).get("caller") or _where(rank)[0]
-    step = rank.state.get("step")
+    step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     if exc and not (exit_info or {}).get("signal"):
         how = f"raised {exc.get('type', 'an exception')}: {str(exc.get('message', '')).strip()[:160]}"
@@ -449,7 +448,9 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                     f"allocated {_gib(oom.get('mem_alloc'))}, reserved {_gib(oom.get('mem_reserved'))}"
                     f" of {_gib(oom.get('mem_total'))}"
                 )
-            details = {k: oom.get(k) for k in ("step", "phase", "micro_batch", "grad_accum") if k in oom}
+            details: dict[str, Any] = {
+                k: oom.get(k) for k in ("step", "phase", "micro_batch", "grad_accum") if k in oom
+            }
             details.update(
                 mem_alloc=oom.get("mem_alloc"),
                 mem_reserved=oom.get("mem_reserved"),
@@ -486,8 +487,8 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                     rank.rank,
                     _exception_location(exc, rank),
                     {
-                        "step": rank.state.get("step"),
-                        "phase": rank.state.get("phase"),
+                        "step": rank.snapshot.step,
+                        "phase": rank.snapshot.phase,
                         "traceback": exc.get("traceback"),
                     },
                     [f"exception event of rank {rank.rank}: {exc.get('type')}"],
@@ -502,13 +503,10 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
 def _position(rank: RankState) -> str:
     if rank.exited:
         return f"rank {rank.rank}: {describe_exit(rank.exit)}"
-    inflight = rank.inflight
+    inflight = rank.snapshot.inflight
     if inflight:
-        c = max(inflight, key=lambda c: c.get("since", 0.0))
-        return (
-            f"rank {rank.rank}: inside {c.get('op')} #{c.get('seq')} (pg {c.get('pg')}, shapes {c.get('shapes')})"
-            f" called at {c.get('caller')}"
-        )
+        c = max(inflight, key=lambda c: c.since or 0.0)
+        return f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}, shapes {c.shapes}) called at {c.caller}"
     return f"rank {rank.rank}: not in a collective; {_where(rank)[1]}"
 
 
@@ -548,7 +546,7 @@ def _never_joined(state: RunState, rank: int) -> tuple[str | None, str]:
 
 
 def _in_dataloader(rank: RankState) -> bool:
-    if rank.state.get("phase") == "data":
+    if rank.snapshot.phase == "data":
         return True
     frames = (rank.stack or {}).get("frames") or []
     return any(_DATALOADER_FRAME.search(str(f)) for f in frames)
@@ -560,13 +558,13 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     expected = _expected_ranks(state)
     # The collective the waiting ranks are stuck in: per pg, the highest seq in flight.
     waiting: dict[tuple[str, int], list[int]] = {}
-    calls: dict[int, dict[str, Any]] = {}
-    for rank in state.ranks.values():
-        if rank.exited or not rank.inflight:
+    calls: dict[int, Collective] = {}
+    for one in state.ranks.values():
+        if one.exited or not one.snapshot.inflight:
             continue
-        c = max(rank.inflight, key=lambda c: c.get("seq") or 0)
-        calls[rank.rank] = c
-        waiting.setdefault((str(c.get("pg")), int(c.get("seq") or 0)), []).append(rank.rank)
+        c = max(one.snapshot.inflight, key=lambda c: c.seq or 0)
+        calls[one.rank] = c
+        waiting.setdefault((c.pg, c.seq or 0), []).append(one.rank)
     evidence = [
         _position(state.ranks[r]) if r in state.ranks else f"rank {r}: never reported" for r in expected
     ]
@@ -582,8 +580,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
             return [startup]
         loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]
         if loaders:
-            culprit = state.ranks[loaders[0]]
-            location, how = _where(culprit)
+            location, how = _where(state.ranks[loaders[0]])
             return [
                 Verdict(
                     "hang.dataloader",
@@ -610,11 +607,11 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     # The collective most ranks wait in is "#k"; everyone else is "missing" from it.
     (pg, seq), waiters = max(waiting.items(), key=lambda kv: (len(kv[1]), kv[0][1]))
     call = calls[waiters[0]]
-    where_call = f"{call.get('op')} #{seq} on pg {pg} (called at {call.get('caller')})"
+    where_call = f"{call.op} #{seq} on pg {pg} (called at {call.caller})"
     not_waiting = [r for r in expected if r not in waiters]
     out_of_step = [r for r in not_waiting if r in calls]  # waiting, but in another collective
     absent = [r for r in not_waiting if r not in calls]
-    details = {**base, "pg": pg, "seq": seq, "op": call.get("op"), "waiting_ranks": sorted(waiters)}
+    details = {**base, "pg": pg, "seq": seq, "op": call.op, "waiting_ranks": sorted(waiters)}
 
     # A rank whose heartbeat stopped is frozen (SIGSTOP, a debugger, native code holding the GIL,
     # D state): its snapshot is stale, so its seq cannot be compared; it is the culprit either way.
@@ -623,14 +620,14 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     if frozen and len(frozen) < len(live):
         culprit = frozen[0]
         others = sorted(r for r in waiters if r not in frozen)
-        ages = {r: round(state.now - float(state.ranks[r].state.get("heartbeat") or 0.0), 1) for r in frozen}
+        ages = {r: round(state.now - (state.ranks[r].snapshot.heartbeat or 0.0), 1) for r in frozen}
         location, how = _where(state.ranks[culprit])
         inside = culprit in calls
         if inside:
-            location = location if state.ranks[culprit].stack else calls[culprit].get("caller")
+            location = location if state.ranks[culprit].stack else calls[culprit].caller
         summary = (
             f"hang: rank {_join(frozen)} stopped responding (heartbeat {max(ages.values()):.0f} s old) "
-            + (f"inside {calls[culprit].get('op')} #{calls[culprit].get('seq')}" if inside else f"({how})")
+            + (f"inside {calls[culprit].op} #{calls[culprit].seq}" if inside else f"({how})")
             + f": its process is frozen (stopped, traced, or stuck in native code); "
             f"rank{'s' if len(others) > 1 else ''} {_join(others)} wait{'' if len(others) > 1 else 's'} "
             f"in {where_call}"
@@ -643,7 +640,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     signatures: dict[str, list[int]] = {}
     for r in waiters:
         c = calls[r]
-        signatures.setdefault(f"{c.get('op')} {c.get('shapes')}", []).append(r)
+        signatures.setdefault(f"{c.op} {c.shapes}", []).append(r)
     if len(signatures) > 1 or out_of_step:
         return [_mismatch_verdict(state, pg, seq, waiters, out_of_step, calls, details, evidence)]
 
@@ -651,7 +648,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         culprits = absent
         loaders = [r for r in culprits if r in state.ranks and _in_dataloader(state.ranks[r])]
         culprit_rank = _pick_culprit(state, culprits, ("skip",))
-        rank = state.ranks.get(culprit_rank)
+        rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
         if rank is None:
             location, how = _never_joined(state, culprit_rank) if culprit_rank is not None else (None, "")
         elif rank.exited:
@@ -677,7 +674,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
             f"Rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} "
             f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
         )
-        details.update(missing_ranks=culprits, culprit_issued=rank.issued(pg) if rank else None)
+        details.update(missing_ranks=culprits, culprit_issued=rank.snapshot.issued_on(pg) if rank else None)
         return [Verdict(kind, "error", summary, culprit_rank, location, details, evidence)]
 
     # Everyone is inside the same collective with the same signature: the collective is stuck.
@@ -687,7 +684,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         f"hang: all {len(waiters)} ranks wait inside {where_call} for {stalled:.0f} s with matching "
         "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
     )
-    return [Verdict("hang.comm", "error", summary, None, call.get("caller"), details, evidence)]
+    return [Verdict("hang.comm", "error", summary, None, call.caller, details, evidence)]
 
 
 def _startup_hang(
@@ -698,11 +695,11 @@ def _startup_hang(
     starting = [
         r
         for r in expected
-        if r not in state.ranks or not (state.ranks[r].started_work or state.ranks[r].exited)
+        if r not in state.ranks or not (state.ranks[r].snapshot.started_work or state.ranks[r].exited)
     ]
     if not starting:
         return None
-    waiters = {r: m for r in starting if r in state.ranks and (m := state.ranks[r].waiting_marker)}
+    waiters = {r: m for r in starting if r in state.ranks and (m := state.ranks[r].snapshot.waiting)}
     stuck = [r for r in starting if r not in waiters]
     wait_text, caller = "", None
     elapsed = state.now - state.started
@@ -754,8 +751,8 @@ def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list
     for r in ranks:
         if state.ranks[r].remote:
             continue  # another host's clock: a skew would look like a stale heartbeat
-        beat = state.ranks[r].state.get("heartbeat")
-        if isinstance(beat, (int, float)) and state.now - beat > stale:
+        beat = state.ranks[r].snapshot.heartbeat
+        if beat is not None and state.now - beat > stale:
             out.append(r)
     return sorted(out)
 
@@ -766,7 +763,7 @@ def _mismatch_verdict(
     seq: int,
     waiters: list[int],
     out_of_step: list[int],
-    calls: dict[int, dict[str, Any]],
+    calls: dict[int, Collective],
     details: dict[str, Any],
     evidence: list[str],
 ) -> Verdict:
@@ -774,7 +771,7 @@ def _mismatch_verdict(
     groups: dict[str, list[int]] = {}
     for r in involved:
         c = calls[r]
-        groups.setdefault(f"{c.get('op')} #{c.get('seq')} shapes {c.get('shapes')}", []).append(r)
+        groups.setdefault(f"{c.op} #{c.seq} shapes {c.shapes}", []).append(r)
     minority = min(groups.values(), key=len) if len(groups) > 1 else []
     suspects = (
         minority
@@ -782,13 +779,10 @@ def _mismatch_verdict(
         else [r for r in involved if _shape_changed(state, r, calls[r])]
     )
     culprit = _pick_culprit(state, suspects or involved, ("shape", "skip"), require_evidence=not suspects)
-    parts = [
-        f"rank {r}: {calls[r].get('op')} #{calls[r].get('seq')} shapes {calls[r].get('shapes')}"
-        for r in involved
-    ]
+    parts = [f"rank {r}: {calls[r].op} #{calls[r].seq} shapes {calls[r].shapes}" for r in involved]
     summary = f"hang: ranks disagree on collective #{seq} (pg {pg}): " + "; ".join(parts)
-    location = calls[culprit].get("caller") if culprit is not None and culprit in calls else None
-    details.update(calls={str(r): calls[r] for r in involved}, out_of_step_ranks=out_of_step)
+    location = calls[culprit].caller if culprit is not None and culprit in calls else None
+    details.update(calls={str(r): calls[r].to_dict() for r in involved}, out_of_step_ranks=out_of_step)
     fault = _fault_of(state.ranks[culprit], ("shape", "skip")) if culprit in state.ranks else None
     if fault:
         evidence.append(
@@ -798,37 +792,32 @@ def _mismatch_verdict(
     return Verdict("hang.mismatch", "error", summary, culprit, location, details, evidence)
 
 
-def _shape_changed(state: RunState, rank_id: int, call: dict[str, Any]) -> bool:
+def _shape_changed(state: RunState, rank_id: int, call: Collective) -> bool:
     """True when this rank called the same site before with other shapes (it is the odd one)."""
     rank = state.ranks.get(rank_id)
     if rank is None:
         return False
     for sightings in rank.arrivals.values():
         for arrival in sightings.values():
-            if arrival.caller == call.get("caller") and arrival.shapes not in (None, call.get("shapes")):
+            if arrival.caller == call.caller and arrival.shapes not in (None, call.shapes):
                 return True
     return False
 
 
 def _mismatch_from_sightings(state: RunState) -> Verdict | None:
     """Find the seq at which ranks' recorded ops/shapes differ (from sightings and in-flight calls)."""
-    table: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    table: dict[tuple[str, int], dict[int, Collective]] = {}
     for rank in state.ranks.values():
         for pg, sightings in rank.arrivals.items():
             for seq, a in sightings.items():
-                table.setdefault((pg, seq), {})[rank.rank] = {
-                    "pg": pg,
-                    "seq": seq,
-                    "op": a.op,
-                    "shapes": a.shapes,
-                    "caller": a.caller,
-                }
-        for c in rank.inflight:
-            table.setdefault((str(c.get("pg")), int(c.get("seq") or 0)), {})[rank.rank] = c
+                sighted = {"pg": pg, "seq": seq, "op": a.op, "shapes": a.shapes, "caller": a.caller}
+                table.setdefault((pg, seq), {})[rank.rank] = Collective.of(sighted)
+        for c in rank.snapshot.inflight:
+            table.setdefault((c.pg, c.seq or 0), {})[rank.rank] = c
     for (pg, seq), calls in sorted(table.items(), key=lambda kv: kv[0][1]):
         if len(calls) < 2:
             continue
-        if len({f"{c.get('op')} {c.get('shapes')}" for c in calls.values()}) > 1:
+        if len({f"{c.op} {c.shapes}" for c in calls.values()}) > 1:
             return _mismatch_verdict(state, pg, seq, sorted(calls), [], calls, {"pg": pg, "seq": seq}, [])
     # No two sightings of the same seq: fall back on an injected shape fault, if one fired.
     for rank in state.ranks.values():
@@ -946,10 +935,7 @@ def diagnose_no_collectives(state: RunState) -> list[Verdict]:
             "collectives and no steps, so hangs, stragglers and mismatches could not be checked"
         )
         return [Verdict("no_collectives", "info", summary, None, None, {"ranks": 0}, [])]
-    issued = any(
-        r.collectives.get("issued") or (r.collectives.get("ddp") or {}).get("buckets")
-        for r in state.ranks.values()
-    )
+    issued = any(r.snapshot.issued or r.snapshot.ddp_buckets for r in state.ranks.values())
     if issued or any(r.step_count for r in state.ranks.values()):
         return []
     summary = (

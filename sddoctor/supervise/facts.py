@@ -4,7 +4,8 @@ The rank files say what the ranks did; how the run ended from the outside (who s
 the launcher's exit code and stderr, the stacks taken at a hang, the hang verdicts frozen then, the
 stragglers declared, the workers that never joined) only the supervisor saw. It writes these facts
 when it acts on a hang and at the end, and `apply_facts` puts them into a RunState, live or when
-`sddoctor report --rediagnose` reads the run directory later: both reach the same verdict.
+`sddoctor report --rediagnose` reads the run directory later (`Watcher.state(now, facts)` builds
+the RunState both ways): both reach the same verdict.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sddoctor.supervise.diagnose import rank_exit
 from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.telemetry import RunDir, read_json
 from sddoctor.telemetry.layout import atomic_write_text
@@ -47,6 +49,14 @@ def apply_facts(state: RunState, facts: dict[str, Any]) -> None:
         rank = state.ranks.get(int(key)) if str(key).isdigit() else None
         if rank is not None and isinstance(stack, dict) and rank.stack is None:
             rank.stack = stack
+
+
+def settle_exits(state: RunState) -> None:
+    """At the end of a run: each rank's exit as best known (its own record, else the launcher's
+    word, which has the real wait status), for the report."""
+    for rank in state.ranks.values():
+        if rank.exit is not None or any(f.get("rank") == rank.rank for f in state.launcher_failures):
+            rank.exit = rank_exit(rank, state)
 
 
 def hang_verdicts(facts: dict[str, Any]) -> list[Verdict]:

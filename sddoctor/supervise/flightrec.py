@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sddoctor.instrument.flight_recorder import pipe_path, trigger_dump
-from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
+from sddoctor.telemetry.layout import RUN_DIR_ENV
+from sddoctor.telemetry.runinfo import read_run_info
 
 PIPE_ENV = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 DUMP_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
@@ -130,8 +131,7 @@ def collect(
     if not _inside(prefix, run_dir):
         note = f"dumps go to {prefix!r}, outside the run directory: not read (anyone may write there)"
         return {"ranks": {}, "asked_at": asked_at, "problem": note}
-    info = RunDir(run_dir).run_info() if run_dir is not None else {}
-    started = info.get("started") if isinstance(info.get("started"), (int, float)) else None
+    started = read_run_info(run_dir).started if run_dir is not None else None
     deadline = time.monotonic() + wait
     found: dict[str, Any] = {}
     rejected: dict[str, str] = {}

@@ -14,7 +14,7 @@ import statistics
 from typing import Any
 
 from sddoctor.supervise.timeline import Timeline, lane_stats
-from sddoctor.telemetry import RankView, RunView
+from sddoctor.telemetry import RankView, RunView, StepRecord
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -51,11 +51,11 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 def step_times(rv: RankView) -> list[float]:
     """Seconds per step: the step events' `step_time`, else the gaps between consecutive step events."""
-    steps = rv.of_kind("step")
-    times = [t for e in steps if (t := _num(e.get("step_time"))) is not None and t >= 0]
+    steps = [StepRecord.of(e) for e in rv.of_kind("step")]
+    times = [t for s in steps if (t := s.step_time) is not None and t >= 0]
     if times:
         return times
-    ends = [t for e in steps if (t := _num(e.get("t_end", e.get("t")))) is not None]
+    ends = [t for s in steps if (t := s.ended) is not None]
     return [b - a for a, b in zip(ends, ends[1:], strict=False) if b >= a]
 
 
@@ -65,14 +65,14 @@ def _rank_health(rv: RankView, timeline: Timeline | None) -> dict[str, Any]:
     events_t = [t for e in rv.events if (t := _num(e.get("t"))) is not None]
     wall = (max(events_t) - min(events_t)) if len(events_t) > 1 else None
     summary = rv.last("collective") or {}
-    totals = ((rv.state or {}).get("collectives") or {}).get("totals") or {}
+    snapshot = rv.snapshot
     # the summary event is written every 10 s and at exit, the snapshot every second: take the later
-    found = [s for s in (_num(summary.get("seconds")), _num(totals.get("seconds"))) if s is not None]
+    found = [s for s in (_num(summary.get("seconds")), snapshot.total_seconds) if s is not None]
     coll_seconds = max(found) if found else None
-    peaks = [p for e in rv.of_kind("step") if (p := _num(e.get("mem_peak"))) is not None]
+    peaks = [p for e in rv.of_kind("step") if (p := StepRecord.of(e).mem_peak) is not None]
     out: dict[str, Any] = {
-        "host": start.get("host") or (rv.state or {}).get("host"),
-        "device": (rv.state or {}).get("device") or start.get("device"),
+        "host": start.get("host") or snapshot.host,
+        "device": snapshot.device or start.get("device"),
         "steps": len(rv.of_kind("step")),
         "step_time_p50": _round(percentile(times, 50)),
         "step_time_p95": _round(percentile(times, 95)),
@@ -104,13 +104,14 @@ def _throughput(view: RunView) -> dict[str, Any]:
         events = rv.of_kind("step")
         steps = max(steps, len(events))
         for e in events:
-            total += _num(e.get("samples")) or 0.0
-            end = _num(e.get("t_end", e.get("t")))
-            length = _num(e.get("step_time")) or 0.0
+            step = StepRecord.of(e)
+            total += step.samples or 0.0
+            end = step.ended
+            length = step.step_time or 0.0
             if end is not None:
                 first = end - length if first is None else min(first, end - length)
                 last = end if last is None else max(last, end)
-            if rv.rank == min(view.ranks) and (ips := _num(e.get("images_per_s"))) is not None:
+            if rv.rank == min(view.ranks) and (ips := step.images_per_s) is not None:
                 reported.append(ips)
     window = (last - first) if first is not None and last is not None else None
     return {

@@ -230,7 +230,8 @@ class StateServer:
 
     @property
     def url(self) -> str:
-        host = self.httpd.server_address[0]
+        address = self.httpd.server_address[0]
+        host = address.decode() if isinstance(address, bytes) else str(address)
         if host in ("0.0.0.0", "::"):
             host = socket.gethostname()  # what another machine can reach
         elif ":" in host:

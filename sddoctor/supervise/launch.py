@@ -38,7 +38,7 @@ def _option(command: list[str], *names: str) -> str | None:
 
 def _launcher_args(command: list[str]) -> list[str]:
     """The launcher's own arguments (before the script), so a script's --nnodes is not misread."""
-    out = []
+    out: list[str] = []
     for word in command:
         after_python = bool(out) and os.path.basename(out[-1]).startswith("python")
         if word.endswith(".py") or (word == "-m" and out and not after_python):
@@ -80,16 +80,15 @@ def rank_env(run_dir: Path, base: dict[str, str] | None = None) -> tuple[dict[st
     env = dict(os.environ if base is None else base)
     env[RUN_DIR_ENV] = str(run_dir)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    warning: str | None = None
     try:
         from sddoctor.instrument import boot
     except ImportError as exc:
-        boot = None
         warning = f"rank instrumentation unavailable ({exc}); only process-level diagnosis is possible"
     else:
-        warning = None
         # It puts its bootstrap directory (and this sddoctor) first on PYTHONPATH.
         env.update({k: str(v) for k, v in boot.rank_environment(run_dir, env).items()})
-    if boot is None:
+    if warning is not None:
         package_root = str(Path(__file__).resolve().parents[2])
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join([package_root, *([old] if old else [])])

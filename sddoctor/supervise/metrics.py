@@ -25,6 +25,7 @@ from typing import Any
 
 from sddoctor.supervise.state import RankState, RunState, Verdict
 from sddoctor.telemetry import EventTail, RunDir
+from sddoctor.telemetry.snapshot import StepRecord
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 WAIT_BUCKETS = (
@@ -151,12 +152,13 @@ class RunMetrics:
         for event in tail.poll():
             if event.get("kind") != "step":
                 continue
+            step = StepRecord.of(event)
             series.steps += 1
-            samples = _number(event.get("samples"))
+            samples = step.samples
             if samples is not None and samples >= 0:
                 series.samples += samples
-            t = _number(event.get("t"))
-            seconds = _number(event.get("step_time"))
+            t = step.t
+            seconds = step.step_time
             if seconds is None and t is not None and series.last_step_t is not None:
                 seconds = t - series.last_step_t  # a script reporting steps without their time
             if seconds is not None and seconds >= 0:
@@ -164,44 +166,39 @@ class RunMetrics:
             series.last_step_t = t if t is not None else series.last_step_t
 
     def _read_state(self, rank: RankState, series: _RankSeries, now: float) -> None:
-        snap = rank.state
+        snap = rank.snapshot
+        last = snap.last_step
         g: dict[str, float] = {}
-        step = _number(snap.get("step"))
-        if step is not None:
-            g["step"] = step
-        last = snap.get("last_step") if isinstance(snap.get("last_step"), dict) else {}
-        loss = _number(last.get("loss"))
-        if loss is not None:
-            g["loss"] = loss
-        samples, step_time = _number(last.get("samples")), _number(last.get("step_time"))
-        if samples is not None and step_time:
-            g["images_per_second"] = samples / step_time
-        for kind, key in (("allocated", "mem_alloc"), ("peak", "mem_peak"), ("reserved", "mem_reserved")):
-            value = _number(last.get(key))
+        if snap.step is not None:
+            g["step"] = float(snap.step)
+        if last.loss is not None:
+            g["loss"] = last.loss
+        if last.samples is not None and last.step_time:
+            g["images_per_second"] = last.samples / last.step_time
+        for kind, value in (
+            ("allocated", last.mem_alloc),
+            ("peak", last.mem_peak),
+            ("reserved", last.mem_reserved),
+        ):
             if value is not None:
                 series.mem[kind] = value
         if rank.alive is not None or rank.exited:
             g["alive"] = 0.0 if rank.exited else 1.0
-        beat = _number(snap.get("heartbeat"))
-        if beat is not None:
-            g["heartbeat_age"] = max(0.0, now - beat)
-        since = min((_number(c.get("since")) or now for c in rank.inflight), default=None)
+        if snap.heartbeat is not None:
+            g["heartbeat_age"] = max(0.0, now - snap.heartbeat)
+        since = min((c.since or now for c in snap.inflight), default=None)
         g["inflight"] = max(0.0, now - since) if since is not None else 0.0
         series.gauges = g
-        issued = rank.collectives.get("issued")
-        if isinstance(issued, dict):
-            for pg, seq in issued.items():
-                if _number(seq) is not None:
-                    series.issued[str(pg)] = max(series.issued.get(str(pg), 0.0), float(seq))
-        done = rank.last_done or {}
-        if isinstance(done.get("seq"), int):
-            pg = str(done.get("pg"))
-            series.last_done_seq[pg] = max(series.last_done_seq.get(pg, 0.0), float(done["seq"]))
-        totals = rank.collectives.get("totals")
-        if isinstance(totals, dict):
-            count, seconds = _number(totals.get("count")), _number(totals.get("seconds"))
-            if count is not None and seconds is not None:
-                series.totals = (max(series.totals[0], count), max(series.totals[1], seconds))
+        for pg, seq in snap.issued.items():
+            series.issued[pg] = max(series.issued.get(pg, 0.0), float(seq))
+        done = snap.last_done
+        if done is not None and done.seq is not None:
+            series.last_done_seq[done.pg] = max(series.last_done_seq.get(done.pg, 0.0), float(done.seq))
+        if snap.total_count is not None and snap.total_seconds is not None:
+            series.totals = (
+                max(series.totals[0], snap.total_count),
+                max(series.totals[1], snap.total_seconds),
+            )
         for pg, arrivals in rank.arrivals.items():
             newest = series.last_observed_seq.get(pg, 0)
             for seq in sorted(s for s in arrivals if s > newest):
@@ -336,6 +333,7 @@ class RunMetrics:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         node = [self.node]
+        fam: CounterMetricFamily | GaugeMetricFamily
         fam = CounterMetricFamily("sddoctor_hangs", "Hangs diagnosed on this node.", labels=["node"])
         fam.add_metric(node, hangs)
         yield fam

@@ -8,52 +8,45 @@ from typing import Any
 
 import psutil
 
-from sddoctor.supervise.diagnose import diagnose, merge_verdicts, rank_exit
-from sddoctor.supervise.facts import apply_facts, hang_verdicts, read_facts
+from sddoctor.supervise.diagnose import diagnose, merge_verdicts
+from sddoctor.supervise.facts import hang_verdicts, read_facts, settle_exits
 from sddoctor.supervise.lifecycle import lease_status
 from sddoctor.supervise.report import attach_preflight, build_report
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir, read_json
-from sddoctor.telemetry.validate import clean_run_info
+from sddoctor.telemetry.runinfo import read_run_info
 
 
 def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any]:
     """A report dict built from the files alone (nothing is written)."""
     now = time.time() if now is None else now
-    info = clean_run_info(read_json(run_dir.run_json) or {})
-    options = info.get("options") or {}
-    watcher = Watcher(
-        run_dir,
-        hang_timeout=float(options.get("hang_timeout") or 300.0),
-        straggler_ratio=float(options.get("straggler_ratio") or 2.0),
-        startup_timeout=float(options.get("startup_timeout") or 900.0),
-        started=float(info.get("started") or info.get("created") or now),
-    )
+    run = read_run_info(run_dir)
+    info = run.record
+    watcher = Watcher(run_dir, options=run.options, started=run.start if run.start else now)
     watcher.poll(now)
     host = socket.gethostname()
     last_progress = None
     for rank in watcher.ranks.values():
-        done = rank.last_done or {}
-        for t in (done.get("t"), (rank.state.get("last_step") or {}).get("t")):
-            if isinstance(t, (int, float)):
-                last_progress = max(last_progress or 0.0, float(t))
+        snapshot = rank.snapshot
+        for t in (snapshot.last_done.t if snapshot.last_done else None, snapshot.last_step.t):
+            if t is not None:
+                last_progress = max(last_progress or 0.0, t)
         if rank.exit is None and rank.pid and rank.host == host:
             rank.alive = psutil.pid_exists(rank.pid)
             if not rank.alive:
                 rank.exit = {
-                    "t": rank.state.get("heartbeat") or rank.state.get("t"),
+                    "t": snapshot.alive_at,
                     "source": "process gone without an exit event (killed?)",
                     "unclean": True,
                 }
     watcher.last_progress = last_progress or watcher.last_progress
-    state = watcher.state(now)
     facts = read_facts(run_dir)
     if facts is not None and "outcome" in facts:
         # A supervisor watched this run to its end: its facts give the live run's verdict again.
-        apply_facts(state, facts)
+        state = watcher.state(now, facts)
         for rank in state.ranks.values():
             rank.alive = False
-            rank.exit = rank_exit(rank, state)
+        settle_exits(state)
         verdicts = merge_verdicts(hang_verdicts(facts), diagnose(state))
         report = build_report(
             state,
@@ -66,6 +59,7 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
         report["diagnosed_offline"] = True
         attach_preflight(report, run_dir)
         return report
+    state = watcher.state(now)
     supervisor = lease_status(run_dir.path, now)
     if supervisor is not None and supervisor.get("state") == "died":
         # Its processes stopped themselves once it was gone: those deaths are not crashes.

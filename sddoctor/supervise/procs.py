@@ -68,7 +68,6 @@ class Job:
     command: list[str]
     env: dict[str, str]
     run_dir: str
-    stderr_lines: int = 400
     popen: subprocess.Popen[bytes] | None = None
     #: pid -> process for every descendant seen (kept after death for the final sweep).
     descendants: dict[int, psutil.Process] = field(default_factory=dict)

@@ -9,7 +9,7 @@ from typing import Any
 
 from sddoctor.supervise.health import render_health_markdown
 from sddoctor.supervise.state import RankState, RunState, Verdict
-from sddoctor.telemetry import RunDir, read_json
+from sddoctor.telemetry import RankSnapshot, RunDir, read_json
 from sddoctor.telemetry.layout import atomic_write_text
 
 REPORT_SCHEMA = "sddoctor.report/1"
@@ -192,12 +192,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for key, r in (report.get("ranks") or {}).items():
         stack = r.get("stack") or {}
-        colls = r.get("collectives") or {}
-        done = colls.get("last_done") or {}
-        last = f"{done.get('op')} #{done.get('seq')} ({done.get('caller')})" if done else ""
-        inflight = ", ".join(
-            f"{c.get('op')} #{c.get('seq')}" for c in colls.get("inflight") or [] if isinstance(c, dict)
-        )
+        snapshot = RankSnapshot.of(r)
+        done = snapshot.last_done
+        last = f"{done.op} #{done.seq} ({done.caller})" if done else ""
+        inflight = ", ".join(f"{c.op} #{c.seq}" for c in snapshot.inflight)
         out.append(
             f"| {key} | {r.get('pid')} | {r.get('activity', r.get('alive'))} | {r.get('step')} | {r.get('phase')} "
             f"| {last} | {inflight} "

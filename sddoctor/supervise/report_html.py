@@ -23,6 +23,7 @@ from sddoctor.supervise.report import headline
 from sddoctor.supervise.rundata import RunData
 from sddoctor.supervise.svgplot import Series, colour, line_chart
 from sddoctor.supervise.timeline import Call, Lane, Timeline, window
+from sddoctor.telemetry import RankSnapshot
 
 LANE_H = 46
 AXIS_H = 26
@@ -423,10 +424,7 @@ def _ranks_section(report: dict[str, Any]) -> str:
     rows, folds = [], []
     for key, r in ranks.items():
         stack = r.get("stack") or {}
-        colls = r.get("collectives") or {}
-        inflight = ", ".join(
-            f"{c.get('op')} #{c.get('seq')}" for c in colls.get("inflight") or [] if isinstance(c, dict)
-        )
+        inflight = ", ".join(f"{c.op} #{c.seq}" for c in RankSnapshot.of(r).inflight)
         exit_info = r.get("exit") or {}
         ended = (
             f"signal {exit_info['signal']}"

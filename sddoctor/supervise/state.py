@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sddoctor.telemetry.runinfo import HANG_TIMEOUT, STARTUP_TIMEOUT, STRAGGLER_RATIO
+from sddoctor.telemetry.snapshot import RankSnapshot
+
 #: Verdict kinds, in the order a report lists them when several apply.
 VERDICT_KINDS = (
     "crash",
@@ -101,45 +104,15 @@ class RankState:
     #: Where this rank's Python keeps its libraries (from its `start` event; see sddoctor.codepaths).
     code_roots: dict[str, Any] | None = None
 
-    @property
-    def collectives(self) -> dict[str, Any]:
-        value = self.state.get("collectives")
-        return value if isinstance(value, dict) else {}
+    _snapshot: RankSnapshot | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
-    def inflight(self) -> list[dict[str, Any]]:
-        value = self.collectives.get("inflight")
-        return [c for c in value if isinstance(c, dict)] if isinstance(value, list) else []
-
-    @property
-    def last_done(self) -> dict[str, Any] | None:
-        value = self.collectives.get("last_done")
-        return value if isinstance(value, dict) else None
-
-    def issued(self, pg: str) -> int | None:
-        """The last seq this rank issued on `pg` (from `issued`, else from inflight/last_done)."""
-        issued = self.collectives.get("issued")
-        if isinstance(issued, dict) and isinstance(issued.get(pg), int):
-            return issued[pg]
-        seqs = [c["seq"] for c in self.inflight if c.get("pg") == pg and isinstance(c.get("seq"), int)]
-        done = self.last_done
-        if done and done.get("pg") == pg and isinstance(done.get("seq"), int):
-            seqs.append(done["seq"])
-        return max(seqs) if seqs else None
-
-    @property
-    def waiting_marker(self) -> dict[str, Any] | None:
-        """What the rank waits in outside any traced collective (init_process_group, DDP's
-        construction): {what, since, caller}, or None."""
-        value = self.state.get("waiting")
-        return value if isinstance(value, dict) and value.get("what") else None
-
-    @property
-    def started_work(self) -> bool:
-        """Whether the rank has finished a step or issued a collective (past its start-up)."""
-        return (
-            self.state.get("step") is not None or bool(self.collectives.get("issued")) or bool(self.inflight)
-        )
+    def snapshot(self) -> RankSnapshot:
+        """`state`, typed (read again whenever `state` is replaced)."""
+        cached = self._snapshot
+        if cached is None or cached.record is not self.state:
+            cached = self._snapshot = RankSnapshot.of(self.state)
+        return cached
 
     def activity(self, now: float, started: float, startup_timeout: float) -> str:
         """One word for what the rank does: "exited"; "training" (steps finish); "running" (no step
@@ -147,15 +120,15 @@ class RankState:
         once the start-up allowance has passed)."""
         if self.exited:
             return "exited"
-        if self.state.get("step") is not None or self.step_count:
+        if self.snapshot.step is not None or self.step_count:
             return "training"
-        if self.started_work:
+        if self.snapshot.started_work:
             return "running"
         return "stuck at start" if now - started >= startup_timeout else "starting"
 
     @property
     def exited(self) -> bool:
-        return self.exit is not None or self.alive is False or self.state.get("status") == "exited"
+        return self.exit is not None or self.alive is False or self.snapshot.exited
 
 
 @dataclass
@@ -168,11 +141,11 @@ class RunState:
     world_size: int | None = None
     #: Last time any rank made progress (a new step, a collective issued or completed).
     last_progress: float | None = None
-    hang_timeout: float = 300.0
-    straggler_ratio: float = 2.0
+    hang_timeout: float = HANG_TIMEOUT
+    straggler_ratio: float = STRAGGLER_RATIO
     #: Allowance for start-up (imports, model loading, rendezvous): a rank that has issued no
     #: collective and finished no step is not hung before this many seconds after the start.
-    startup_timeout: float = 900.0
+    startup_timeout: float = STARTUP_TIMEOUT
     #: Processes of the job that are not ranks (yet): {pid, spawn_index, argv, stack} (mp.spawn
     #: workers before init_process_group, for a start-up hang).
     unjoined: list[dict[str, Any]] = field(default_factory=list)
@@ -211,7 +184,7 @@ class RunState:
         if not expected:
             return True  # no rank has even joined yet
         return any(
-            r not in self.ranks or (not self.ranks[r].started_work and not self.ranks[r].exited)
+            r not in self.ranks or (not self.ranks[r].snapshot.started_work and not self.ranks[r].exited)
             for r in expected
         )
 
@@ -229,6 +202,6 @@ class RunState:
             return False  # no process of the job is a rank: no progress can be measured
         if self.in_startup:
             return False
-        if not any(r.started_work for r in self.ranks.values()):
+        if not any(r.snapshot.started_work for r in self.ranks.values()):
             return self.now - self.started >= self.startup_timeout  # nobody got past start-up
         return self.stalled_for >= self.hang_timeout

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from sddoctor import exitcodes
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts, rank_exit
-from sddoctor.supervise.facts import apply_facts, write_facts
+from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts
+from sddoctor.supervise.facts import settle_exits, write_facts
 from sddoctor.supervise.gpulog import GpuLog
 from sddoctor.supervise.http import EndpointError, StateServer, get_state
 from sddoctor.supervise.lifecycle import STDERR_FILE
@@ -26,12 +27,7 @@ from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.supervise.straggler import Episode, StragglerTracker
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
 from sddoctor.telemetry import RunDir, registry
-
-#: Exit codes of `sddoctor run` besides the job's own (docs/run.md has the table).
-EXIT_USAGE = 2
-EXIT_HANG_KILLED = 124
-EXIT_NOT_FOUND = 127
-EXIT_INTERRUPTED = 130
+from sddoctor.telemetry.runinfo import RunOptions, read_run_info
 
 POLL_SECONDS = 1.0
 #: With --peers and --on-hang kill: how long a node that diagnosed a hang waits for the other
@@ -46,10 +42,8 @@ class Options:
     run_dir: RunDir
     env: dict[str, str]
     run_info: dict[str, Any]
-    hang_timeout: float = 300.0
-    startup_timeout: float = 900.0
-    on_hang: str = "dump"
-    straggler_ratio: float = 2.0
+    #: hang timeout, start-up allowance, straggler ratio, what to do on a hang
+    run_options: RunOptions = RunOptions()
     port: int | None = 0
     bind: str = "127.0.0.1"
     native: bool = False
@@ -69,13 +63,7 @@ class Supervisor:
         self.started = time.time()
         self.job = Job(command=opts.command, env=opts.env, run_dir=opts.env["SDDOCTOR_RUN_DIR"])
         self.job_log = opts.run_dir.path / STDERR_FILE
-        self.watcher = Watcher(
-            opts.run_dir,
-            hang_timeout=opts.hang_timeout,
-            straggler_ratio=opts.straggler_ratio,
-            started=self.started,
-            startup_timeout=opts.startup_timeout,
-        )
+        self.watcher = Watcher(opts.run_dir, options=opts.run_options, started=self.started)
         self.state: RunState = self.watcher.state()
         self.verdicts: list[Verdict] = []
         self.hang_verdicts: list[Verdict] = []  # frozen at the hang, survive our own kill
@@ -196,25 +184,13 @@ class Supervisor:
         self.watcher.poll(now)
         for peer_state in list(self.remote.values()):
             self.watcher.merge_remote(peer_state.get("ranks") or {}, now)
-        for rank in self.watcher.ranks.values():
-            known = self.job.ranks.get(rank.rank)
-            if (
-                rank.pid is not None
-                and rank.pid in self.job.descendants
-                and (known is None or known.pid != rank.pid)
-            ):
-                self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
-        for rank_id, proc in self.job.ranks.items():
-            rank = self.watcher._rank(rank_id)
-            rank.pid = proc.pid
-            rank.alive = proc.exit is None
-            if proc.exit is not None:
-                rank.exit = {**(rank.exit or {}), **proc.exit}
-        state = self.watcher.state(now)
+        self._merge_processes()
+        # The facts before the straggler update: an episode it declares now is not ready (its
+        # samples come from a thread), so the facts would not hold it yet either way.
+        state = self.watcher.state(now, self.facts())
         declared = self.stragglers.update(state, now)
         if declared is not None:
             self._sample_straggler(declared, state)
-        apply_facts(state, self.facts())
         state.hang_declared_by = self._peer_hang(state)
         if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != state.last_progress):
             self.hang_handled_at = (state.last_progress,)
@@ -235,16 +211,34 @@ class Supervisor:
                 self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
         self._publish()
 
+    def _merge_processes(self) -> None:
+        """What the process watch knows of each rank (its pid, whether it lives, how it ended) into
+        the watcher's ranks; a rank's own word on its pid teaches the process watch."""
+        for rank in self.watcher.ranks.values():
+            known = self.job.ranks.get(rank.rank)
+            if (
+                rank.pid is not None
+                and rank.pid in self.job.descendants
+                and (known is None or known.pid != rank.pid)
+            ):
+                self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
+        for rank_id, proc in self.job.ranks.items():
+            rank = self.watcher._rank(rank_id)
+            rank.pid = proc.pid
+            rank.alive = proc.exit is None
+            if proc.exit is not None:
+                rank.exit = {**(rank.exit or {}), **proc.exit}
+
     def on_hang(self, state: RunState) -> None:
-        if any(r.started_work for r in state.ranks.values()):
+        if any(r.snapshot.started_work for r in state.ranks.values()):
             self.say(f"no progress for {state.stalled_for:.0f} s: diagnosing a hang")
         else:
             self.say(f"no rank got past its start-up in {state.now - state.started:.0f} s: diagnosing a hang")
         alive = {r.rank: r.pid for r in state.ranks.values() if not r.exited and r.pid is not None}
         alive = {r: p for r, p in alive.items() if r in self.job.ranks}  # only processes on this node
         unjoined = self._unjoined()
-        if self.opts.on_hang in ("dump", "kill") and (alive or unjoined):
-            backends = {r.state.get("backend") for r in state.ranks.values()}
+        if self.opts.run_options.on_hang in ("dump", "kill") and (alive or unjoined):
+            backends = {r.snapshot.backend for r in state.ranks.values()}
             dump_asked_at = None
             if "nccl" in backends and flightrec.trigger(self.job.env, sorted(alive)):
                 dump_asked_at = time.time()
@@ -283,7 +277,7 @@ class Supervisor:
         self.handling_hang = True
         self.state, self.verdicts = state, merge_verdicts(self.hang_verdicts, self.verdicts)
         self._publish()  # the peers learn of the hang now, not at the next tick
-        if self.opts.on_hang == "kill":
+        if self.opts.run_options.on_hang == "kill":
             self._await_peer_stacks()
             self.say(f"--on-hang kill: stopping the job; its output from now on goes to {self.job_log} only")
             self.job.mute_console.set()
@@ -368,24 +362,17 @@ class Supervisor:
         now = time.time()
         self.tick(now)
         remove_empty_files(self.opts.run_dir.path)
-        for rank_id, proc in self.job.ranks.items():
-            if proc.exit is not None:
-                self.watcher._rank(rank_id).exit = {**(self.watcher.ranks[rank_id].exit or {}), **proc.exit}
-                self.watcher.ranks[rank_id].alive = False
-        state = self.watcher.state(now)
-        self.stragglers.final(state, now)
+        self.stragglers.final(self.watcher.state(now), now)  # before the facts, which hold its episodes
         facts = self.facts(final=True)
-        apply_facts(state, facts)
-        for rank in state.ranks.values():
-            if rank.exit is not None or any(f.get("rank") == rank.rank for f in state.launcher_failures):
-                rank.exit = rank_exit(rank, state)  # the launcher's word on signals, for the report
+        state = self.watcher.state(now, facts)
+        settle_exits(state)
         self.verdicts = merge_verdicts(self.hang_verdicts, diagnose(state))
         self.state = state
         job_code = self.job.exit_code
         if self.killed_for_hang:
-            code, outcome = EXIT_HANG_KILLED, "hang"
+            code, outcome = exitcodes.HANG_KILLED, "hang"
         elif self.stopped_by == "interrupt":
-            code, outcome = EXIT_INTERRUPTED, "interrupted"
+            code, outcome = exitcodes.INTERRUPTED, "interrupted"
         elif self.stopped_by is not None:
             code, outcome = 128 + int(getattr(signal, f"SIG{self.stopped_by[3:]}", 15)), "interrupted"
         else:
@@ -425,7 +412,7 @@ class Supervisor:
         report = build_report(
             state,
             verdicts,
-            run_info=self.opts.run_dir.run_info() or self.opts.run_info,
+            run_info=read_run_info(self.opts.run_dir).record or self.opts.run_info,
             outcome=outcome,
             exit_code=exit_code,
             job_exit_code=self.job.exit_code,
@@ -444,7 +431,7 @@ class Supervisor:
         state = self.state
         snapshot = {
             "v": 1,
-            "run": self.opts.run_dir.run_info() or self.opts.run_info,
+            "run": read_run_info(self.opts.run_dir).record or self.opts.run_info,
             "node": {"host": socket.gethostname(), "node_rank": self.opts.node_rank},
             "ranks": {str(r): rank_summary(state.ranks[r], state) for r in sorted(state.ranks)},
             "verdicts": [v.to_dict() for v in self.verdicts],

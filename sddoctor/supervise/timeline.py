@@ -20,10 +20,11 @@ Pure functions over plain data, plus `load_timeline(run_dir)` at the edge. No to
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sddoctor.telemetry import RunDir, RunView
+from sddoctor.telemetry import RankSnapshot, RunDir, RunView, StepRecord
 from sddoctor.telemetry.timeline import read_timeline
 
 #: event kinds drawn as instant marks on a rank's track
@@ -156,24 +157,26 @@ def build_timeline(raw: dict[int, dict[str, Any]], verdicts: list[dict[str, Any]
 
 def _lane(rank: int, data: dict[str, Any]) -> Lane:
     events = data.get("events") or []
-    snapshot = data.get("snapshot") or {}
-    lane = Lane(rank=rank, host=snapshot.get("host"), dropped=int(data.get("dropped") or 0))
+    record = data.get("snapshot") or {}
+    snapshot = RankSnapshot.of(record)
+    lane = Lane(rank=rank, host=snapshot.host, dropped=int(data.get("dropped") or 0))
     for c in data.get("calls") or []:
         lane.calls.append(_call(rank, c, float(c["t0"]), float(c["t0"]) + max(0.0, float(c["duration"]))))
     done = {(c.pg, c.seq) for c in lane.calls}
-    for c in (snapshot.get("collectives") or {}).get("inflight") or []:
-        if not isinstance(c, dict) or not isinstance(c.get("since"), (int, float)):
+    for c in snapshot.inflight:
+        if c.since is None:
             continue
-        if (str(c.get("pg")), c.get("seq")) not in done:  # else it completed after the snapshot
-            lane.calls.append(_call(rank, c, float(c["since"]), None))
+        if (c.pg, c.seq) not in done:  # else it completed after the snapshot
+            lane.calls.append(_call(rank, c.record, c.since, None))
     lane.calls.sort(key=lambda c: c.t0)
     lane.steps = _steps(rank, events)
     lane.marks = [m for e in events if (m := _event_mark(rank, e)) is not None]
-    _bounds(lane, events, snapshot)
+    exit_info: dict[str, Any] = record["exit"] if isinstance(record.get("exit"), dict) else {}  # report's
+    _bounds(lane, events, snapshot, exit_info)
     return lane
 
 
-def _call(rank: int, c: dict[str, Any], t0: float, t1: float | None) -> Call:
+def _call(rank: int, c: Mapping[str, Any], t0: float, t1: float | None) -> Call:
     """A Call from a timeline-file row or an in-flight record of a state snapshot."""
     return Call(
         rank=rank,
@@ -194,22 +197,24 @@ def _steps(rank: int, events: list[dict[str, Any]]) -> list[Step]:
     steps: list[Step] = []
     previous_end: float | None = None
     for e in events:
+        if e.get("kind") != "step":
+            continue
         # `t_end`: when the step ended on the host; `t` is when the event was written, which the
         # trainer on CUDA delays until the GPU finished the step
-        end = e.get("t_end", e.get("t"))
-        if e.get("kind") != "step" or not isinstance(end, (int, float)):
+        record = StepRecord.of(e)
+        if record.ended is None:
             continue
-        t1 = float(end)
-        length = e.get("step_time")
-        if isinstance(length, (int, float)) and length >= 0:
-            t0 = t1 - float(length)
+        t1 = record.ended
+        length = record.step_time
+        if length is not None and length >= 0:
+            t0 = t1 - length
         elif previous_end is not None:
             t0 = previous_end
         else:
             previous_end = t1
             continue
         fields = {k: v for k, v in e.items() if k not in ("v", "t", "rank", "kind", "step")}
-        steps.append(Step(rank=rank, step=int(e.get("step") or 0), t0=t0, t1=t1, fields=fields))
+        steps.append(Step(rank=rank, step=record.step or 0, t0=t0, t1=t1, fields=fields))
         previous_end = t1
     return steps
 
@@ -247,7 +252,9 @@ def _event_mark(rank: int, e: dict[str, Any]) -> Mark | None:
     return Mark(rank, t, kind, f"warning {e.get('code')}: {e.get('message')}", "warning")
 
 
-def _bounds(lane: Lane, events: list[dict[str, Any]], snapshot: dict[str, Any]) -> None:
+def _bounds(
+    lane: Lane, events: list[dict[str, Any]], snapshot: RankSnapshot, exit_info: dict[str, Any]
+) -> None:
     times = [float(e["t"]) for e in events if isinstance(e.get("t"), (int, float))]
     times += [c.t0 for c in lane.calls] + [c.t1 for c in lane.calls if c.t1 is not None]
     times += [s.t0 for s in lane.steps]
@@ -256,8 +263,7 @@ def _bounds(lane: Lane, events: list[dict[str, Any]], snapshot: dict[str, Any]) 
         None,
     )
     lane.start = start if start is not None else (min(times) if times else None)
-    exit_info = snapshot.get("exit") if isinstance(snapshot.get("exit"), dict) else {}
-    for value in (snapshot.get("heartbeat"), snapshot.get("t"), exit_info.get("t")):
+    for value in (snapshot.heartbeat, snapshot.t, exit_info.get("t")):
         if isinstance(value, (int, float)):
             times.append(float(value))
     lane.end = max(times) if times else None

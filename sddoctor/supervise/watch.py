@@ -10,8 +10,11 @@ import re
 import time
 from typing import Any
 
+from sddoctor.supervise.facts import apply_facts
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
+from sddoctor.telemetry.runinfo import RunOptions
+from sddoctor.telemetry.snapshot import Collective, StepRecord
 from sddoctor.telemetry.timeline import decode_calls, timeline_file
 
 #: Event kinds the diagnosis keeps (steps and summaries are only counted).
@@ -27,16 +30,12 @@ class Watcher:
         self,
         run_dir: RunDir,
         *,
-        hang_timeout: float,
-        straggler_ratio: float,
         started: float,
-        startup_timeout: float = 900.0,
+        options: RunOptions = RunOptions(),
     ) -> None:
         self.run_dir = run_dir
         self.started = started
-        self.hang_timeout = hang_timeout
-        self.straggler_ratio = straggler_ratio
-        self.startup_timeout = startup_timeout
+        self.options = options
         #: from RUN_DIR/procs/: mp.spawn parents (launcher-PID) and workers (pid-PID)
         self.spawned_nprocs: int | None = None
         self.spawner_pids: set[int] = set()
@@ -66,7 +65,8 @@ class Watcher:
             timeline = self._timelines.setdefault(rank_id, EventTail(timeline_file(self.run_dir, rank_id)))
             for line in timeline.poll():
                 for call in decode_calls(line):
-                    self._sight(rank, call, enqueue=call.get("t0"), duration=call.get("duration"))
+                    sighted = Collective.of(call)
+                    self._sight(rank, sighted, enqueue=float(call["t0"]), duration=sighted.duration)
             snapshot = read_state(self.run_dir.state_file(rank_id))
             if snapshot is not None:
                 self._on_snapshot(rank, snapshot, now)
@@ -160,56 +160,38 @@ class Watcher:
 
     @staticmethod
     def _on_step(rank: RankState, event: dict[str, Any]) -> None:
-        t, step = event.get("t"), event.get("step")
-        if not isinstance(t, (int, float)) or not isinstance(step, int):
+        step = StepRecord.of(event)
+        if step.t is None or step.step is None:
             return
-        step_time = event.get("step_time")
-        samples = event.get("samples")
-        rank.steps.append(
-            (
-                float(t),
-                step,
-                float(step_time) if isinstance(step_time, (int, float)) else None,
-                float(samples) if isinstance(samples, (int, float)) else None,
-            )
-        )
+        rank.steps.append((step.t, step.step, step.step_time, step.samples))
         rank.step_count += 1
         if len(rank.steps) > _MAX_STEPS:
             del rank.steps[: len(rank.steps) - _MAX_STEPS]
 
     def _on_snapshot(self, rank: RankState, snap: dict[str, Any], now: float) -> None:
         rank.state = snap
-        if isinstance(snap.get("pid"), int) and rank.pid is None:
-            rank.pid = snap["pid"]
-        rank.host = snap.get("host") or rank.host
-        if isinstance(snap.get("world_size"), int):
-            self.world_size = snap["world_size"]
-        t = snap.get("t")
-        if isinstance(t, (int, float)) and self._last_state_t.get(rank.rank) == t:
+        s = rank.snapshot
+        if s.pid is not None and rank.pid is None:
+            rank.pid = s.pid
+        rank.host = s.host or rank.host
+        if s.world_size is not None:
+            self.world_size = s.world_size
+        if s.t is not None and self._last_state_t.get(rank.rank) == s.t:
             return  # the same snapshot as last time
-        if isinstance(t, (int, float)):
-            self._last_state_t[rank.rank] = t
-        colls = rank.collectives
-        for c in rank.inflight:
-            self._sight(rank, c, enqueue=c.get("since"), duration=None)
-        done = rank.last_done
-        if done:
-            dur = done.get("duration")
-            end = done.get("t")
-            enqueue = done.get("since")
-            if enqueue is None and isinstance(end, (int, float)) and isinstance(dur, (int, float)):
-                enqueue = end - dur
-            self._sight(rank, done, enqueue=enqueue, duration=dur)
-        ddp = colls.get("ddp")
+        if s.t is not None:
+            self._last_state_t[rank.rank] = s.t
+        for c in s.inflight:
+            self._sight(rank, c, enqueue=c.since, duration=None)
+        done = s.last_done
+        if done is not None:
+            self._sight(rank, done, enqueue=done.enqueued, duration=done.duration)
         key = (
-            snap.get("step"),
-            tuple(sorted((str(k), v) for k, v in (colls.get("issued") or {}).items()))
-            if isinstance(colls.get("issued"), dict)
-            else None,
-            (done or {}).get("seq"),
-            (done or {}).get("t"),
-            (ddp or {}).get("buckets") if isinstance(ddp, dict) else None,
-            tuple(sorted((str(c.get("pg")), c.get("seq")) for c in rank.inflight)),
+            s.step,
+            tuple(sorted(s.issued.items())),
+            done.seq if done else None,
+            done.t if done else None,
+            s.ddp_buckets,
+            tuple(sorted((c.pg, c.seq or 0) for c in s.inflight)),
         )
         if self._progress_key.get(rank.rank) != key:
             if rank.rank in self._progress_key:
@@ -218,40 +200,42 @@ class Watcher:
             if self.last_progress is None:
                 self.last_progress = now
 
-    def _sight(self, rank: RankState, c: dict[str, Any], *, enqueue: Any, duration: Any) -> None:
-        seq = c.get("seq")
-        if not isinstance(seq, int) or not isinstance(enqueue, (int, float)):
+    def _sight(
+        self, rank: RankState, c: Collective, *, enqueue: float | None, duration: float | None
+    ) -> None:
+        if c.seq is None or enqueue is None:
             return
-        pg = str(c.get("pg"))
-        sightings = rank.arrivals.setdefault(pg, {})
-        known = sightings.get(seq)
+        sightings = rank.arrivals.setdefault(c.pg, {})
+        known = sightings.get(c.seq)
         if known is None:
-            sightings[seq] = Arrival(
-                enqueue=float(enqueue),
-                op=c.get("op"),
-                shapes=c.get("shapes"),
-                caller=c.get("caller"),
-                duration=float(duration) if isinstance(duration, (int, float)) else None,
+            sightings[c.seq] = Arrival(
+                enqueue=enqueue, op=c.op, shapes=c.shapes, caller=c.caller, duration=duration
             )
             if len(sightings) > _MAX_SIGHTINGS:
                 for old in sorted(sightings)[: len(sightings) - _MAX_SIGHTINGS]:
                     del sightings[old]
-        elif known.duration is None and isinstance(duration, (int, float)):
-            known.duration = float(duration)
+        elif known.duration is None and duration is not None:
+            known.duration = duration
 
-    def state(self, now: float | None = None) -> RunState:
+    def state(self, now: float | None = None, facts: dict[str, Any] | None = None) -> RunState:
+        """The run at `now` as its files (and what was merged into `ranks`) show it; with `facts`
+        (a supervisor.json record, live or read back) also what only the supervisor saw. The one
+        builder of RunState: `sddoctor run` and the offline diagnosis both use it."""
         now = time.time() if now is None else now
-        return RunState(
+        state = RunState(
             now=now,
             started=self.started,
             ranks=self.ranks,
             world_size=self.world_size,
             last_progress=self.last_progress,
-            hang_timeout=self.hang_timeout,
-            straggler_ratio=self.straggler_ratio,
-            startup_timeout=self.startup_timeout,
+            hang_timeout=self.options.hang_timeout,
+            straggler_ratio=self.options.straggler_ratio,
+            startup_timeout=self.options.startup_timeout,
             spawned_nprocs=self.spawned_nprocs,
         )
+        if facts is not None:
+            apply_facts(state, facts)
+        return state
 
 
 _FAILURE_BLOCK = re.compile(

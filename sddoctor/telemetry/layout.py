@@ -25,6 +25,9 @@ from sddoctor.telemetry.schema import SCHEMA_VERSION
 
 #: Environment variable through which `sddoctor run` hands its run directory to every rank.
 RUN_DIR_ENV = "SDDOCTOR_RUN_DIR"
+#: Where run directories are made by default, under the current directory: `sddoctor run`'s
+#: first, the bundled trainer's second. `sddoctor report` and `sddoctor tui` look in both.
+RUN_BASES = ("sddoctor-runs", "runs")
 
 _RANK_FILE = re.compile(r"rank-(\d+)\.(jsonl|state)$")
 
@@ -107,10 +110,12 @@ class RunDir:
         return info
 
     def run_info(self) -> dict[str, Any]:
+        """run.json as written, for merging into it (readers use `runinfo.read_run_info`)."""
         try:
-            return json.loads(self.run_json.read_text())
+            doc = json.loads(self.run_json.read_text())
         except (OSError, ValueError):
             return {}
+        return doc if isinstance(doc, dict) else {}
 
 
 def atomic_write_text(path: Path, text: str) -> None:

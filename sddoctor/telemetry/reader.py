@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sddoctor.telemetry.layout import RunDir
+from sddoctor.telemetry.snapshot import RankSnapshot
 from sddoctor.telemetry.validate import PROBLEMS, clean_event, clean_state
 
 #: A JSON file larger than this is not one sddoctor wrote (state snapshots are a few KB).
@@ -72,6 +73,12 @@ def read_json(path: str | os.PathLike[str], max_bytes: int = MAX_JSON_BYTES) -> 
 def read_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """A rank's state snapshot with its fields checked (see `validate.clean_state`), or None."""
     return clean_state(read_json(path), _source(path)) if os.path.exists(path) else None
+
+
+def read_snapshot(path: str | os.PathLike[str]) -> RankSnapshot | None:
+    """A rank's state snapshot from its file, checked and typed; None when there is none to read."""
+    record = read_state(path)
+    return RankSnapshot.of(record) if record is not None else None
 
 
 def read_events(path: str | os.PathLike[str], kinds: set[str] | None = None) -> list[dict[str, Any]]:
@@ -177,8 +184,13 @@ class RankView:
     events: list[dict[str, Any]] = field(default_factory=list)
     state: dict[str, Any] | None = None
 
+    @property
+    def snapshot(self) -> RankSnapshot:
+        """`state`, typed (all fields None when the rank wrote no snapshot)."""
+        return RankSnapshot.of(self.state)
+
     def last(self, kind: str) -> dict[str, Any] | None:
-        for event in reversed(self.events):
+        for event in self.events[::-1]:
             if event.get("kind") == kind:
                 return event
         return None
@@ -217,9 +229,10 @@ class RunView:
         if isinstance(ws, int):
             return ws
         for view in self.ranks.values():
-            start = view.last("start")
-            if start and isinstance(start.get("world_size"), int):
-                return start["world_size"]
+            start = view.last("start") or {}
+            ws = start.get("world_size")
+            if isinstance(ws, int):
+                return ws
         return None
 
     def report(self) -> dict[str, Any] | None:

@@ -85,8 +85,3 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     """Environment variables with secret values replaced (names stay, so their presence shows)."""
     return {k: (REDACTED if is_secret_name(k) and v else redact_text(str(v))) for k, v in env.items()}
-
-
-def redact_command_string(command: str) -> str:
-    """A command line given as one string (e.g. from `ps`): split on spaces, redacted, joined."""
-    return " ".join(redact_argv(command.split(" ")))

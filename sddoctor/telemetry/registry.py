@@ -22,19 +22,21 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sddoctor.telemetry.layout import RunDir
+from sddoctor.telemetry.runinfo import read_run_info
 
 ENTRY_VERSION = 1
 MAX_ENTRY_BYTES = 64 * 1024
 
 
-def registry_dir(env: dict[str, str] | None = None) -> Path:
+def registry_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where the entries live: under $XDG_RUNTIME_DIR when it is set, else under ~/.cache."""
-    env = os.environ if env is None else env
+    env = os.environ if environ is None else environ
     runtime = env.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
         return Path(runtime) / "sddoctor" / "runs"
@@ -91,13 +93,13 @@ def announce(
     the run's run.json. Never raises: a registry that cannot be written only means `sddoctor tui`
     will not find this run by itself (the reason is in `problem`)."""
     run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    info = run_dir.run_info()
-    if endpoint is None and isinstance(info.get("endpoint"), str):
-        endpoint = info["endpoint"]
+    info = read_run_info(run_dir)
+    if endpoint is None:
+        endpoint = info.endpoint
     if command is None:
-        command = info.get("command") if isinstance(info.get("command"), list) else []
+        command = list(info.command)
     if started is None:
-        started = info.get("started") if isinstance(info.get("started"), (int, float)) else time.time()
+        started = info.started if info.started is not None else time.time()
     try:
         where = _own_dir(directory or registry_dir(), create=True)
         host = socket.gethostname()

@@ -33,7 +33,8 @@ class EventKind(str, Enum):
     """step, old_micro_batch, new_micro_batch, old_grad_accum, new_grad_accum, reason, gradient_checkpointing,
     failed_ranks (ranks that ran out of memory), step_applied (whether the failed step was redone)."""
     WARNING = "warning"
-    """code, message. Codes: see WARNING_CODES; a preflight finding uses its finding id as code."""
+    """code, message. The codes sddoctor emits are listed in docs/telemetry.md; a preflight finding
+    uses its finding id as code."""
     FAULT = "fault"
     """An injected fault fired: fault (its spec string), seq or step, caller."""
     CHECKPOINT = "checkpoint"
@@ -52,13 +53,3 @@ class EventKind(str, Enum):
 
     def __str__(self) -> str:  # json.dumps of a str-Enum already writes the value
         return self.value
-
-
-#: `code` values of `warning` events that sddoctor itself emits (other code may add its own).
-WARNING_CODES: dict[str, str] = {
-    "bad_input": "the trainer stopped on bad user input (config, data or model folder, --resume); message says what",
-    "skipped_images": "the trainer skipped unreadable images in the data folder; message gives the count",
-    "replicas_differ": "the ranks' weights differ after training: DDP replicas diverged (an error verdict)",
-    "supervisor_gone": "the sddoctor run supervisor died; the rank stops itself (SIGTERM, then SIGKILL)",
-    "<finding id>": "a preflight finding at trainer start (e.g. shm.size), with source='preflight', severity, remedy",
-}

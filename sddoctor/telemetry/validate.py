@@ -7,111 +7,63 @@ not a JSON object is skipped, unknown fields pass through untouched (newer write
 them), and numbers must be finite. What was dropped is noted in `PROBLEMS`, which a command
 prints as one warning (`sddoctor report`, `sddoctor tui --once`).
 
-Types: "int" (not bool), "num" (int or float, finite, not bool), "str", "bool", "list", "dict",
-"num|str", "int?" (int or null). The schema is docs/telemetry.md.
+The fields and their types are the TypedDicts of `sddoctor.telemetry.records`; `field_kinds`
+turns one into the table this module checks against. Kinds: "int" (not bool), "num" (int or
+float, finite, not bool), "str", "bool", "list", "dict", alternatives joined by "|" ("int|str"),
+and a trailing "?" where null is allowed ("int?"). The schema is docs/telemetry.md.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from sddoctor.telemetry import records
 from sddoctor.telemetry.schema import SCHEMA_VERSION
 
-_COLLECTIVE_RECORD = {
-    "pg": "int|str",
-    "seq": "int",
-    "op": "str",
-    "shapes": "list",
-    "dtypes": "list",
-    "caller": "str",
-    "since": "num",
-    "async": "bool",
-    "waiting": "num",
-    "t": "num",
-    "duration": "num",
-}
-_LAST_STEP = {
-    "step": "int",
-    "loss": "num",
-    "samples": "num",
-    "step_time": "num",
-    "micro_batch": "int",
-    "grad_accum": "int",
-    "mem_alloc": "num",
-    "mem_peak": "num",
-    "mem_reserved": "num",
-    "images_per_s": "num",
-    "lr": "num",
-    "t": "num",
-}
-STATE_FIELDS = {
-    "v": "int",
-    "t": "num",
-    "rank": "int",
-    "pid": "int",
-    "host": "str",
-    "local_rank": "int",
-    "world_size": "int",
-    "device": "int|str",
-    "backend": "str",
-    "status": "str",
-    "step": "int",
-    "last_step": "dict",
-    "phase": "str",
-    "phase_since": "num",
-    "collectives": "dict",
-    "heartbeat": "num",
-    "provider_errors": "list",
-}
-_COLLECTIVES = {
-    "inflight": "list",
-    "last_done": "dict",
-    "failed": "dict",
-    "issued": "dict",
-    "totals": "dict",
-    "ddp": "dict",
-    "recent": "list",
-}
-EVENT_FIELDS = {"v": "int", "t": "num", "rank": "int", "kind": "str"}
+_SCALARS: dict[Any, str] = {int: "int", float: "num", str: "str", bool: "bool"}
+
+
+def _kind(hint: Any) -> str:
+    """The kind string of one annotation of a record (see the module docstring)."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(hint)
+        kinds = "|".join(_kind(a) for a in args if a is not type(None))
+        return kinds + ("?" if type(None) in args else "")
+    if hint in _SCALARS:
+        return _SCALARS[hint]
+    if hint is list or origin is list:
+        return "list"
+    if hint is dict or origin is dict or typing.is_typeddict(hint):
+        return "dict"
+    raise TypeError(f"no JSON kind for the annotation {hint!r}")
+
+
+@functools.cache
+def _hints(record: type) -> dict[str, Any]:
+    return typing.get_type_hints(record)
+
+
+@functools.cache
+def field_kinds(record: type) -> dict[str, str]:
+    """{field: kind} of a TypedDict of `records`: what `clean` checks each field against."""
+    return {name: _kind(hint) for name, hint in _hints(record).items()}
+
+
+STATE_FIELDS = field_kinds(records.StateSnapshot)
+EVENT_FIELDS = field_kinds(records.EventBase)
 EVENT_KIND_FIELDS: dict[str, dict[str, str]] = {
-    "start": {"pid": "int", "host": "str", "local_rank": "int", "world_size": "int", "argv": "list"},
-    "step": _LAST_STEP,
-    "collective": {"count": "num", "seconds": "num", "ops": "dict", "last_seq": "dict"},
-    "oom": {
-        "step": "int?",
-        "phase": "str",
-        "micro_batch": "int",
-        "grad_accum": "int",
-        "mem_alloc": "num",
-        "mem_reserved": "num",
-        "mem_total": "num",
-        "message": "str",
-    },
-    "fallback": {"step": "int?", "failed_ranks": "list", "step_applied": "bool"},
-    "warning": {"code": "str", "message": "str"},
-    "fault": {"fault": "str", "seq": "int", "step": "int", "caller": "str", "pg": "int|str", "op": "str"},
-    "checkpoint": {"step": "int?", "path": "str", "seconds": "num", "reason": "str", "action": "str"},
-    "exception": {"type": "str", "message": "str", "traceback": "list", "caller": "str", "step": "int?"},
-    "exit": {"status": "str", "code": "int?", "step": "int?"},
-    "replicas": {"step": "int?", "params_sha256": "str"},
+    kind: field_kinds(fields) for kind, fields in records.EVENT_KINDS.items()
 }
-RUN_FIELDS = {
-    "command": "list",
-    "started": "num",
-    "created": "num",
-    "host": "str",
-    "launcher": "str",
-    "world_size": "int?",
-    "node_rank": "int",
-    "supervisor_pid": "int",
-    "options": "dict",
-    "endpoint": "str?",
-    "fault": "str?",
-}
-_RUN_OPTIONS = {"hang_timeout": "num", "startup_timeout": "num", "straggler_ratio": "num", "on_hang": "str"}
+RUN_FIELDS = field_kinds(records.RunRecord)
+#: run.json options that must be greater than 0 (the command line refuses anything else)
+_POSITIVE_OPTIONS = ("hang_timeout", "startup_timeout", "straggler_ratio")
 
 
 def _ok(value: Any, kind: str) -> bool:
@@ -188,42 +140,51 @@ def clean(record: Any, fields: Mapping[str, str], source: str) -> dict[str, Any]
     return out
 
 
-def _records(value: Any, source: str) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        return []
-    return [r for r in (clean(v, _COLLECTIVE_RECORD, source) for v in value) if r is not None]
+def _inner(hint: Any) -> Callable[[Any, str], Any] | None:
+    """How the value of a field of this annotation is cleaned inside, once its kind is right:
+    a nested record field by field, a list of records record by record, a {str: scalar}
+    object value by value, a list of strings as strings; None for everything else."""
+    members = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(members) == 1:
+        hint = members[0]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if typing.is_typeddict(hint):
+        return lambda value, source: clean_record(value, hint, source) or {}
+    if origin is list and args and typing.is_typeddict(args[0]):
+        item = args[0]
+        return lambda value, source: [
+            r for r in (clean_record(v, item, source) for v in value) if r is not None
+        ]
+    if origin is list and args == (str,):
+        return lambda value, source: [str(v) for v in value]
+    if origin is dict and len(args) == 2 and args[1] in _SCALARS:
+        kind = _SCALARS[args[1]]
+        return lambda value, source: {str(k): v for k, v in value.items() if _ok(v, kind)}
+    return None
+
+
+@functools.cache
+def _inners(record: type) -> dict[str, Callable[[Any, str], Any]]:
+    return {name: inner for name, hint in _hints(record).items() if (inner := _inner(hint)) is not None}
+
+
+def clean_record(value: Any, record: type, source: str) -> dict[str, Any] | None:
+    """`value` checked against a TypedDict of `records`, nested records included; None when it is
+    not an object."""
+    out = clean(value, field_kinds(record), source)
+    if out is None:
+        return None
+    for name, inner in _inners(record).items():
+        if out.get(name) is not None:
+            out[name] = inner(out[name], source)
+    return out
 
 
 def clean_state(snapshot: Any, source: str) -> dict[str, Any] | None:
     """A rank's state snapshot (`ranks/rank-NNNNN.state`) fit for the readers."""
-    out = clean(snapshot, STATE_FIELDS, source)
-    if out is None:
-        return None
-    _check_version(out, source)
-    if "last_step" in out:
-        out["last_step"] = clean(out["last_step"], _LAST_STEP, source) or {}
-    colls = out.get("collectives")
-    if isinstance(colls, dict):
-        colls = clean(colls, _COLLECTIVES, source) or {}
-        for key in ("inflight", "recent"):
-            if key in colls:
-                colls[key] = _records(colls[key], source)
-        for key in ("last_done", "failed"):
-            if key in colls:
-                record = clean(colls[key], _COLLECTIVE_RECORD, source)
-                if record is None:
-                    del colls[key]
-                else:
-                    colls[key] = record
-        if "issued" in colls:
-            colls["issued"] = {str(k): v for k, v in colls["issued"].items() if _ok(v, "int")}
-        for key, fields in (
-            ("totals", {"count": "num", "seconds": "num"}),
-            ("ddp", {"buckets": "num", "seconds": "num"}),
-        ):
-            if key in colls:
-                colls[key] = clean(colls[key], fields, source) or {}
-        out["collectives"] = colls
+    out = clean_record(snapshot, records.StateSnapshot, source)
+    if out is not None:
+        _check_version(out, source)
     return out
 
 
@@ -233,26 +194,21 @@ def clean_event(event: Any, source: str) -> dict[str, Any] | None:
     if out is None:
         return None
     _check_version(out, source)
-    fields = EVENT_KIND_FIELDS.get(str(out.get("kind")))
-    if fields:
-        out = clean(out, fields, source) or {}
-    if out.get("kind") == "exception" and isinstance(out.get("traceback"), list):
-        out["traceback"] = [str(x) for x in out["traceback"]]
+    fields = records.EVENT_KINDS.get(str(out.get("kind")))
+    if fields is not None:
+        out = clean_record(out, fields, source) or {}
     return out
 
 
 def clean_run_info(info: Any, source: str = "run.json") -> dict[str, Any]:
     """run.json fit for the readers ({} when it is not an object)."""
-    out = clean(info, RUN_FIELDS, source) or {}
-    if isinstance(out.get("command"), list):
-        out["command"] = [str(w) for w in out["command"]]
-    if "options" in out:
-        options = clean(out["options"], _RUN_OPTIONS, source) or {}
-        for key in ("hang_timeout", "straggler_ratio"):
+    out = clean_record(info, records.RunRecord, source) or {}
+    options = out.get("options")
+    if isinstance(options, dict):
+        for key in _POSITIVE_OPTIONS:
             if key in options and options[key] <= 0:
                 PROBLEMS.note(source, f"options.{key} is not positive")
                 del options[key]
-        out["options"] = options
     return out
 
 

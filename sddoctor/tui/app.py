@@ -25,10 +25,10 @@ from textual.events import Resize
 from textual.widgets import Input
 
 from sddoctor.gpu.collector import Collector
-from sddoctor.gpu.overview import Overview
-from sddoctor.gpu.rankfeeds import RankFeed, RankReport, RunDirFeed
-from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSnapshot
+from sddoctor.ranks.feeds import RankFeed, RankReport, RunDirFeed
+from sddoctor.ranks.overview import Overview
+from sddoctor.ranks.status import RankStatus
 from sddoctor.tui import views
 from sddoctor.tui.footer import SteadyFooter
 from sddoctor.tui.rowtable import Cell, RowTable
@@ -91,7 +91,6 @@ class MonitorApp(App[None]):
         self.report: RankReport | None = None
         self.overview: Overview | None = None
         self.gpu_updates = 0
-        self.rank_updates = 0
         self._stop = threading.Event()
         self._poll_now = threading.Event()
         self._shown_ranks: list[RankStatus] = []
@@ -183,7 +182,6 @@ class MonitorApp(App[None]):
             self.gpu_updates += 1
         if report is not None:
             self.report = report
-            self.rank_updates += 1
         self._render()
 
     @property

@@ -13,8 +13,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sddoctor import exitcodes
+
+if TYPE_CHECKING:  # imported where used: the screen's start-up time counts
+    from sddoctor.gpu.collector import Collector
+    from sddoctor.ranks.feeds import RankFeed
+    from sddoctor.telemetry.registry import LiveRun
 
 EXIT_OK = exitcodes.OK
 EXIT_USAGE = exitcodes.USAGE
@@ -40,8 +46,6 @@ keys: ? help, s sort, / filter, enter rank details and stack dump, p pause, r pi
 
 {exit_codes}
 """.format(exit_codes=exitcodes.help_block("tui"))
-
-DEFAULT_RUN_BASES = ("./sddoctor-runs", "./runs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,18 +95,19 @@ def _check_endpoint(text: str) -> str | None:
     return f"{host}:{int(port)}"
 
 
-def make_feed(args: argparse.Namespace, live: list | None = None):  # type: ignore[no-untyped-def]
+def make_feed(args: argparse.Namespace, live: list[LiveRun] | None = None) -> RankFeed | None:
     """The rank feed the arguments ask for (None: no run). Raises ValueError with a user message.
 
     With neither --run-dir, --connect nor --no-run: the one live run of this user on this host
     (`live`, from the registry), all of them when there are several, else the newest run
     directory under ./sddoctor-runs or ./runs.
     """
-    from sddoctor.gpu.rankfeeds import HttpFeed, MultiFeed, RunDirFeed
+    from sddoctor.ranks.feeds import HttpFeed, MultiFeed, RunDirFeed
     from sddoctor.telemetry import find_latest_run
+    from sddoctor.telemetry.layout import RUN_BASES
     from sddoctor.telemetry.reader import unreadable
 
-    feeds = []
+    feeds: list[RankFeed] = []
     if args.run_dir:
         path = Path(args.run_dir)
         if not path.is_dir():
@@ -121,7 +126,7 @@ def make_feed(args: argparse.Namespace, live: list | None = None):  # type: igno
     if not feeds and not args.no_run and live:
         feeds += [RunDirFeed(run.run_dir, job_dir=run.cwd) for run in live]
     if not feeds and not args.no_run:
-        latest = find_latest_run(*DEFAULT_RUN_BASES)
+        latest = find_latest_run(*RUN_BASES)
         if latest is not None:
             feeds.append(RunDirFeed(latest))
     if not feeds:
@@ -186,9 +191,9 @@ def main(argv: list[str]) -> int:
 ONCE_CPU_WINDOW = 0.1
 
 
-def print_once(collector, feed, as_json: bool) -> int:  # type: ignore[no-untyped-def]
-    from sddoctor.gpu.overview import Overview
-    from sddoctor.gpu.rankfeeds import RankReport
+def print_once(collector: Collector, feed: RankFeed | None, as_json: bool) -> int:
+    from sddoctor.ranks.feeds import RankReport
+    from sddoctor.ranks.overview import Overview
     from sddoctor.telemetry.validate import PROBLEMS
 
     started = time.perf_counter()

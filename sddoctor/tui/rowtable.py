@@ -17,7 +17,7 @@ does the table scroll sideways.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -136,7 +136,7 @@ class RowTable(ScrollView, can_focus=True):
         cursor_row: int
         key: str
 
-    def __init__(self, columns: list[Column | str], *, id: str | None = None) -> None:  # noqa: A002
+    def __init__(self, columns: Sequence[Column | str], *, id: str | None = None) -> None:  # noqa: A002
         super().__init__(id=id)
         self.columns = [_as_column(c) for c in columns]
         self._rows: list[tuple[str, list[Cell]]] = []
@@ -161,9 +161,6 @@ class RowTable(ScrollView, can_focus=True):
 
     def column_index(self, title: str) -> int:
         return next(i for i, c in enumerate(self.columns) if c.title == title)
-
-    def row_key(self, index: int) -> str:
-        return self._rows[index][0]
 
     @property
     def shown_columns(self) -> list[str]:

@@ -21,13 +21,13 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from sddoctor.gpu.rankfeeds import latest_stack_dump
-from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSample
+from sddoctor.ranks.feeds import latest_stack_dump
+from sddoctor.ranks.status import RankStatus
 from sddoctor.telemetry.registry import LiveRun
 from sddoctor.tui.format import age, gib, loss, num, pct
 from sddoctor.tui.paths import short_path, short_site, shorten_paths_in
-from sddoctor.tui.rowtable import Column, RowTable
+from sddoctor.tui.rowtable import Cell, Column, RowTable
 from sddoctor.tui.views import STATE_STYLE, collective_cell
 
 HELP_TEXT = """\
@@ -229,7 +229,7 @@ class RunsScreen(ModalScreen["LiveRun | None"]):
     def on_mount(self) -> None:
         now = time.time() if self.now is None else self.now
         home = os.path.expanduser("~")
-        rows = []
+        rows: list[tuple[str, list[Cell]]] = []
         for i, run in enumerate(self.runs):
             cells = [
                 run.label,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sddoctor.gpu.overview import Overview
-from sddoctor.gpu.ranks import images_total
+from sddoctor.ranks.overview import Overview
+from sddoctor.ranks.status import images_total
 from sddoctor.tui.format import gib, loss, mib, num, pct, rank_label
 from sddoctor.tui.paths import short_site, shorten_paths_in
 

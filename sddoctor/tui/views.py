@@ -16,9 +16,9 @@ import textwrap
 from rich.text import Text
 
 from sddoctor.gpu.collector import History
-from sddoctor.gpu.overview import Overview
-from sddoctor.gpu.ranks import RankStatus, images_total
 from sddoctor.gpu.samples import GpuSample
+from sddoctor.ranks.overview import Overview
+from sddoctor.ranks.status import RankStatus, images_total
 from sddoctor.tui.format import age, bar, gib, gib_short, loss_short, mib, num, pct, rate, sparkline
 from sddoctor.tui.paths import elide_path, short_site, shorten_paths_in
 from sddoctor.tui.rowtable import Cell, Column
@@ -211,7 +211,7 @@ def _two_lines(g: GpuSample, history: History, width: int) -> list[Text]:
 
 def process_rows(ov: Overview) -> list[tuple[tuple[float, ...], str, list[Cell]]]:
     """(sort keys in PROCESS_SORTS order, row key, cells) of every GPU process."""
-    rows = []
+    rows: list[tuple[tuple[float, ...], str, list[Cell]]] = []
     for g in ov.snapshot.gpus:
         for p in g.processes:
             m = ov.matching.of(g.index, p.pid)
@@ -230,7 +230,7 @@ def process_rows(ov: Overview) -> list[tuple[tuple[float, ...], str, list[Cell]]
                 p.command or "?",
                 Text("!! " + flags, style="bold red") if flags else "",
             ]
-            key = (
+            key: tuple[float, ...] = (
                 p.gpu_memory or 0,
                 p.cpu_percent or 0,
                 p.pid,

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sddoctor.gpu.matching import Matching, match_processes
-from sddoctor.gpu.rankfeeds import RankReport
-from sddoctor.gpu.ranks import images_total
 from sddoctor.gpu.samples import GpuSnapshot
 from sddoctor.gpu.throttle import is_slowdown
+from sddoctor.ranks.feeds import RankReport
+from sddoctor.ranks.matching import Matching, match_processes
+from sddoctor.ranks.status import images_total
 
 JSON_VERSION = 1
 

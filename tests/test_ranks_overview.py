@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from sddoctor.gpu.overview import Overview
-from sddoctor.gpu.rankfeeds import RankReport
-from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSample, GpuSnapshot, HostSample, ProcessSample
+from sddoctor.ranks.feeds import RankReport
+from sddoctor.ranks.overview import Overview
+from sddoctor.ranks.status import RankStatus
 
 HOST = HostSample("h", 10.0, 8, 1 << 30, 4 << 30, (0.1, 0.2, 0.3))
 

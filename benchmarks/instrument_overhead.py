@@ -1,10 +1,10 @@
 """Overhead of the rank-side instrumentation, measured with and without it in one run.
 
-    python -m sddoctor.instrument.bench                 # 2-rank gloo DDP on CPU (+ 1-GPU NCCL if CUDA)
-    python -m sddoctor.instrument.bench --micro         # cost of one traced call, in microseconds
-    python -m sddoctor.instrument.bench --timeline      # the collective timeline alone, on vs off
-    python -m sddoctor.instrument.bench --unchanged     # an unchanged DDP program: comm hook + steps inferred
-    python -m sddoctor.instrument.bench --json          # machine-readable
+    python -m benchmarks.instrument_overhead                 # 2-rank gloo DDP on CPU (+ 1-GPU NCCL if CUDA)
+    python -m benchmarks.instrument_overhead --micro         # cost of one traced call, in microseconds
+    python -m benchmarks.instrument_overhead --timeline      # the collective timeline alone, on vs off
+    python -m benchmarks.instrument_overhead --unchanged     # an unchanged DDP program: comm hook + steps inferred
+    python -m benchmarks.instrument_overhead --json          # machine-readable
 
 The training benchmark alternates blocks of steps (on, off, off, on, ...) with the instrumentation on (a rank
 session: telemetry writer, heartbeat, collective tracing, exit hooks) and off (no session,
@@ -484,9 +484,9 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sddoctor.instrument.bench",
+        prog="python -m benchmarks.instrument_overhead",
         description="Step time with and without sddoctor's rank instrumentation, interleaved in one run.",
-        epilog="examples:\n  python -m sddoctor.instrument.bench\n  python -m sddoctor.instrument.bench --micro --json\n"
+        epilog="examples:\n  python -m benchmarks.instrument_overhead\n  python -m benchmarks.instrument_overhead --micro --json\n"
         "exit codes: 0 measured, 1 a measurement failed",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -9,10 +9,10 @@ import pytest
 from tui_fixtures import serve_state
 
 from conftest import free_port
-from sddoctor.gpu.matching import match_processes
-from sddoctor.gpu.rankfeeds import HttpFeed, MultiFeed, latest_stack_dump
-from sddoctor.gpu.ranks import RankInputs, RankStatus, RateTracker, derive, parse_device
 from sddoctor.gpu.samples import GpuSample, ProcessSample
+from sddoctor.ranks.feeds import HttpFeed, MultiFeed, latest_stack_dump
+from sddoctor.ranks.matching import match_processes
+from sddoctor.ranks.status import RankInputs, RankStatus, RateTracker, derive, parse_device
 
 NOW = 1_000_000.0
 

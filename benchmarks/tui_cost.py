@@ -1,6 +1,6 @@
 """Cost benchmark of `sddoctor tui`, and of nvitop's data layer for comparison.
 
-    python -m sddoctor.tui.bench [--seconds 10] [--fake-gpus 8] [--ranks 8] [--size 80x24 ...]
+    python -m benchmarks.tui_cost [--seconds 10] [--fake-gpus 8] [--ranks 8] [--size 80x24 ...]
                                  [--json results.json]
 
 Measures in one run:
@@ -74,7 +74,7 @@ import asyncio, sys, time
 t0 = float(sys.argv[1])
 fake = int(sys.argv[2])
 if fake:
-    from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
+    from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
     from sddoctor.gpu.nvml import set_nvml_for_tests
     import os
     set_nvml_for_tests(FakeNvml(demo_gpus(fake, [[(os.getpid(), 2 << 30)]] * fake)))
@@ -156,8 +156,8 @@ def _headless_app_share(
     import tempfile
 
     from sddoctor.gpu.collector import Collector
-    from sddoctor.gpu.rankfeeds import RunDirFeed
     from sddoctor.gpu.source import NvmlSource
+    from sddoctor.ranks.feeds import RunDirFeed
     from sddoctor.tui.app import MonitorApp
 
     result: dict[str, float] = {}
@@ -236,7 +236,7 @@ def run(
 
     results: dict[str, Any] = {"seconds": seconds}
     if fake_gpus:
-        from sddoctor.gpu.fake_nvml import FakeNvml, demo_gpus
+        from sddoctor.testing.fake_nvml import FakeNvml, demo_gpus
 
         # one process per GPU (this one), so the psutil side of a sample is measured too
         set_nvml_for_tests(FakeNvml(demo_gpus(fake_gpus, [[(os.getpid(), 2 << 30)]] * fake_gpus)))
@@ -348,7 +348,7 @@ def table(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m sddoctor.tui.bench",
+        prog="python -m benchmarks.tui_cost",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sddoctor.gpu.ranks import RankStatus
 from sddoctor.gpu.samples import GpuSample
+from sddoctor.ranks.status import RankStatus
 
 
 @dataclass

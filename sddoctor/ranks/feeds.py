@@ -19,8 +19,10 @@ from typing import Any, Protocol
 
 import psutil
 
-from sddoctor.gpu.ranks import STARTUP_ALLOWANCE, RankInputs, RankStatus, RateTracker, derive
-from sddoctor.telemetry import EventTail, RunDir, read_json, read_state, registry
+from sddoctor.ranks.status import RankInputs, RankStatus, RateTracker, derive
+from sddoctor.telemetry import EventTail, RankSnapshot, RunDir, StepRecord, read_json, read_state, registry
+from sddoctor.telemetry.layout import RUN_BASES
+from sddoctor.telemetry.runinfo import RunInfo, read_run_info
 
 HTTP_TIMEOUT = 2.0
 
@@ -88,6 +90,7 @@ class RunDirFeed:
         verdicts = self._read_verdicts()
         report.verdicts = [dict(v, source=self.label) for v in verdicts]
         now = self.clock()
+        run = read_run_info(self.run_dir)
         for rank in self.run_dir.ranks():
             if rank not in self._tails:
                 self._tails[rank] = EventTail(self.run_dir.events_file(rank))
@@ -98,16 +101,20 @@ class RunDirFeed:
             for ev in tail.poll():
                 kind = ev.get("kind")
                 if kind == "step":
-                    rates.add(ev.get("t"), ev.get("step"), ev.get("samples"))
+                    step = StepRecord.of(ev)
+                    rates.add(step.t, step.step, step.samples)
                 elif kind in ("start", "exit", "exception", "fallback", "oom"):
                     setattr(inputs, kind, ev)
             inputs.state = read_state(self._state_files[rank])
-            host = (inputs.state or {}).get("host") or (inputs.start or {}).get("host")
-            pid = (inputs.state or {}).get("pid") or (inputs.start or {}).get("pid")
+            snapshot, start = RankSnapshot.of(inputs.state), inputs.start or {}
+            host = snapshot.host or start.get("host")
+            pid = snapshot.pid or start.get("pid")
             inputs.pid_alive = None
             if self.pid_alive is not None and host == self.hostname and isinstance(pid, int):
                 inputs.pid_alive = self.pid_alive(pid)
-            report.ranks.append(derive(inputs, rates, verdicts, now, *_startup(self.run_dir.run_info())))
+            report.ranks.append(
+                derive(inputs, rates, verdicts, now, run.options.startup_timeout, run.started)
+            )
         return report
 
     def _read_verdicts(self) -> list[dict[str, Any]]:
@@ -164,8 +171,8 @@ class HttpFeed:
             return report
         verdicts = _verdicts_of(payload)
         report.verdicts = [dict(v, source=self.label) for v in verdicts]
-        run = payload.get("run") if isinstance(payload.get("run"), dict) else {}
-        run_path = run.get("run_dir") or run.get("path")
+        run = RunInfo.of(payload.get("run"), source=f"{self.url} run")
+        run_path = run.record.get("run_dir") or run.record.get("path")
         if isinstance(run_path, str) and Path(run_path).is_dir():
             report.run_dirs[self.label] = Path(run_path)  # same machine: stack dumps are readable
         elif self.run_dir is not None:
@@ -173,7 +180,7 @@ class HttpFeed:
         if self.job_dir:
             report.job_dirs[self.label] = self.job_dir
         now = self.clock()
-        ranks = payload.get("ranks") if isinstance(payload.get("ranks"), dict) else {}
+        ranks: dict[str, Any] = payload["ranks"] if isinstance(payload.get("ranks"), dict) else {}
         for key, state in sorted(ranks.items(), key=lambda kv: _rank_key(kv[0])):
             if not isinstance(state, dict):
                 continue
@@ -185,20 +192,10 @@ class HttpFeed:
                 if isinstance(state.get(kind), dict):
                     setattr(inputs, kind, state[kind])
             rates = self._rates.setdefault(rank, RateTracker())
-            run = payload.get("run") if isinstance(payload.get("run"), dict) else {}
-            report.ranks.append(derive(inputs, rates, verdicts, now, *_startup(run)))
+            report.ranks.append(
+                derive(inputs, rates, verdicts, now, run.options.startup_timeout, run.started)
+            )
         return report
-
-
-def _startup(run: dict[str, Any]) -> tuple[float, float | None]:
-    """(start-up allowance, start time) of a run from its run.json record."""
-    options = run.get("options") if isinstance(run.get("options"), dict) else {}
-    allowance = options.get("startup_timeout")
-    started = run.get("started")
-    return (
-        float(allowance) if isinstance(allowance, (int, float)) and allowance > 0 else STARTUP_ALLOWANCE,
-        float(started) if isinstance(started, (int, float)) else None,
-    )
 
 
 class MultiFeed:
@@ -224,7 +221,7 @@ def guess_job_dir(run_dir: RunDir) -> str | None:
     if live is not None and live.cwd:
         return live.cwd
     parent = run_dir.path.resolve().parent
-    if parent.name in ("sddoctor-runs", "runs"):
+    if parent.name in RUN_BASES:
         return str(parent.parent)
     return None
 

@@ -13,8 +13,8 @@ docs/telemetry.md, and a few of its events) and the verdicts of `sddoctor run`; 
   exited        exited normally
   running       no step reported, but collectives are issued (an unchanged program without DDP):
                 its last collective and how many it issues a second
-  stuck         no step and no collective `STARTUP_ALLOWANCE` s after the rank started (the
-                allowance of `sddoctor run --startup-timeout`); its stack once sddoctor took it
+  stuck         no step and no collective the start-up allowance after the rank started (run.json's
+                `sddoctor run --startup-timeout`, else its default); its stack once sddoctor took it
   starting      no step finished and no collective issued yet, within the allowance
 """
 
@@ -25,13 +25,14 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sddoctor.telemetry.runinfo import STARTUP_TIMEOUT
+from sddoctor.telemetry.snapshot import Collective, RankSnapshot
+
 COLLECTIVE_SHOWN_AFTER = 1.0
 HUNG_AFTER = 120.0
 SILENT_AFTER = 30.0
 FALLBACK_SHOWN_FOR = 60.0
 RATE_WINDOW = 30.0
-#: seconds a rank may spend starting (imports, model loading, rendezvous): `sddoctor run`'s default
-STARTUP_ALLOWANCE = 900.0
 
 
 @dataclass
@@ -151,22 +152,22 @@ def derive(
     rates: RateTracker,
     verdicts: list[dict[str, Any]],
     now: float,
-    startup_allowance: float = STARTUP_ALLOWANCE,
+    startup_allowance: float = STARTUP_TIMEOUT,
     run_started: float | None = None,
 ) -> RankStatus:
     """The rank's status at `now`. `startup_allowance` and `run_started` (the run's start, used when
     the rank's own `start` event is not known) come from run.json when there is one."""
-    st = inputs.state or {}
+    snap = RankSnapshot.of(inputs.state)
     start = inputs.start or {}
     status = RankStatus(rank=inputs.rank, node=inputs.node)
-    status.host = st.get("host") or start.get("host")
-    status.pid = _int(st.get("pid") if st.get("pid") is not None else start.get("pid"))
-    status.local_rank = _int(_first(st.get("local_rank"), start.get("local_rank")))
-    status.world_size = _int(_first(st.get("world_size"), start.get("world_size")))
-    device = parse_device(_first(st.get("device"), start.get("device")))
+    status.host = snap.host or start.get("host")
+    status.pid = _first(snap.pid, _int(start.get("pid")))
+    status.local_rank = _first(snap.local_rank, _int(start.get("local_rank")))
+    status.world_size = _first(snap.world_size, _int(start.get("world_size")))
+    device = parse_device(_first(snap.device, start.get("device")))
     status.device = device if device is not None else status.local_rank
-    status.device_uuid = _first(st.get("device_uuid"), start.get("device_uuid"))
-    visible = _first(st.get("cuda_visible_devices"), start.get("cuda_visible_devices"))
+    status.device_uuid = _first(snap.device_uuid, start.get("device_uuid"))
+    visible = _first(snap.cuda_visible_devices, start.get("cuda_visible_devices"))
     if status.device is not None and isinstance(visible, str) and visible.strip():
         # CUDA index -> physical GPU: the rank's index counts within CUDA_VISIBLE_DEVICES
         entries = [e.strip() for e in visible.split(",")]
@@ -176,38 +177,36 @@ def derive(
                 status.device = int(entry)
             elif entry.startswith("GPU-") and not status.device_uuid:
                 status.device_uuid = entry
-    status.phase = st.get("phase")
-    last = st.get("last_step") if isinstance(st.get("last_step"), dict) else {}
-    status.step = _int(_first(st.get("step"), last.get("step")))
-    status.loss = _float(last.get("loss"))
-    status.micro_batch = _int(last.get("micro_batch"))
-    status.grad_accum = _int(last.get("grad_accum"))
-    status.mem_peak = _int(last.get("mem_peak"))
-    rates.add(_float(last.get("t")), status.step, _float(last.get("samples")))
-    status.it_s, status.images_s = rates.rates(_float(last.get("step_time")), _float(last.get("samples")))
-    hb = _float(_first(st.get("heartbeat"), st.get("t")))
+    status.phase = snap.phase
+    last = snap.last_step
+    status.step = _first(snap.step, last.step)
+    status.loss = last.loss
+    status.micro_batch = last.micro_batch
+    status.grad_accum = last.grad_accum
+    status.mem_peak = None if last.mem_peak is None else int(last.mem_peak)
+    rates.add(last.t, status.step, last.samples)
+    status.it_s, status.images_s = rates.rates(last.step_time, last.samples)
+    hb = snap.alive_at
     status.heartbeat_age = None if hb is None else max(0.0, now - hb)
 
-    colls = st.get("collectives") if isinstance(st.get("collectives"), dict) else {}
-    totals = colls.get("totals") if isinstance(colls.get("totals"), dict) else {}
-    rates.add_collectives(_float(st.get("t")), _float(totals.get("count")))
-    inflight = [c for c in colls.get("inflight") or [] if isinstance(c, dict)]
-    oldest = min(inflight, key=lambda c: _since(c, now)) if inflight else None
-    done = colls.get("last_done") if isinstance(colls.get("last_done"), dict) else None
-    if done:
-        dur = _float(done.get("duration"))
-        status.last_collective = f"{done.get('op', '?')} #{done.get('seq', '?')}" + (
+    rates.add_collectives(snap.t, snap.total_count)
+    oldest = min(snap.inflight, key=lambda c: _since(c, now)) if snap.inflight else None
+    done = snap.last_done
+    if done is not None:
+        dur = done.duration
+        status.last_collective = f"{done.op or '?'} #{_seq(done)}" + (
             f" {_fmt_seconds(dur)}" if dur is not None else ""
         )
-    status.call_site = (oldest or done or {}).get("caller")
+    where = oldest or done
+    status.call_site = where.caller if where is not None else None
     if oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
-        status.inflight = f"{oldest.get('op', 'collective')} #{oldest.get('seq', '?')}"
+        status.inflight = f"{oldest.op or 'collective'} #{_seq(oldest)}"
         status.inflight_for = now - _since(oldest, now)
 
     mine = [v for v in verdicts if isinstance(v, dict) and v.get("culprit_rank") == inputs.rank]
     exit_ev = inputs.exit
-    if exit_ev is None and st.get("status") == "exited":
-        exit_ev = {"status": st.get("exit_status", "ok")}
+    if exit_ev is None and snap.exited:
+        exit_ev = {"status": "ok"}
     if exit_ev is not None:
         if exit_ev.get("status") in (None, "ok") and _int(exit_ev.get("code")) in (None, 0):
             status.state, status.state_text = "exited", "exited normally"
@@ -226,7 +225,7 @@ def derive(
     elif oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
         age = now - _since(oldest, now)
         status.state = "hung" if age >= HUNG_AFTER else "collective"
-        status.state_text = f"in {oldest.get('op', 'collective')} #{oldest.get('seq', '?')} for {age:.0f} s"
+        status.state_text = f"in {oldest.op or 'collective'} #{_seq(oldest)} for {age:.0f} s"
     elif status.heartbeat_age is not None and status.heartbeat_age >= SILENT_AFTER:
         status.state = "silent"
         status.state_text = f"no heartbeat for {status.heartbeat_age:.0f} s"
@@ -236,7 +235,7 @@ def derive(
         status.state, status.state_text = "training", f"step {status.step}"
         if status.phase:
             status.state_text += f", {status.phase}"
-    elif colls.get("issued") or done is not None or oldest is not None:
+    elif snap.issued or done is not None or oldest is not None:
         per_s = rates.collectives_per_s()
         status.state = "running"
         status.state_text = "no step reported; " + (
@@ -253,9 +252,8 @@ def derive(
             status.state_text = (
                 f"stuck at start: no step or collective {now - started:.0f} s after it started"
             )
-            waiting = st.get("waiting") if isinstance(st.get("waiting"), dict) else None
-            if waiting and waiting.get("what"):
-                status.state_text += f", waiting in {waiting['what']}"
+            if snap.waiting is not None:
+                status.state_text += f", waiting in {snap.waiting['what']}"
     if inputs.fallback is not None:
         status.notes.append(_fallback_text(inputs.fallback))
     if inputs.oom is not None:
@@ -266,9 +264,12 @@ def derive(
     return status
 
 
-def _since(collective: dict[str, Any], now: float) -> float:
-    since = _float(collective.get("since"))
-    return now if since is None else since
+def _since(collective: Collective, now: float) -> float:
+    return now if collective.since is None else collective.since
+
+
+def _seq(collective: Collective) -> str:
+    return "?" if collective.seq is None else str(collective.seq)
 
 
 def _crash_text(exit_ev: dict[str, Any], exc: dict[str, Any] | None) -> str:
