@@ -3,6 +3,7 @@ refuses a CPU run at once with the fix, the weight dtype it implies, and the att
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -54,7 +55,8 @@ def test_adamw8bit_keeps_fp32_weights_and_refuses_bf16_ones():
     assert cfg.model.gradient_checkpointing and cfg.model.offload_frozen and cfg.train.ema_dtype == "bf16"
 
 
-def test_attention_backend_leaves_one_kernel():
+def test_attention_backend_leaves_one_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     switches = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled")
     before = {s: getattr(torch.backends.cuda, s)() for s in switches}
     try:
@@ -62,6 +64,8 @@ def test_attention_backend_leaves_one_kernel():
         assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
         q = torch.randn(1, 2, 4, 8)
         torch.nn.functional.scaled_dot_product_attention(q, q, q)  # the math kernel still runs
+        # a compiled graph keeps the kernel it was traced with: each backend compiles into its own cache
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "sdpa-math")
         set_attention_backend("auto")  # leaves the switches as they are
         assert not torch.backends.cuda.flash_sdp_enabled()
     finally:

@@ -15,6 +15,7 @@ for the words of the built-in captions. Its ids fit any CLIP text encoder's voca
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,15 +342,33 @@ _SDPA_SWITCHES = {
 
 def set_attention_backend(name: str) -> None:
     """Leave only the named kernel enabled for F.scaled_dot_product_attention (diffusers'
-    AttnProcessor2_0), process-wide; `auto` leaves PyTorch's choice alone. The switches are read
-    when each call picks its kernel, so they hold inside compiled graphs too (SDPA stays a call
-    into ATen there)."""
+    AttnProcessor2_0), process-wide; `auto` leaves PyTorch's choice alone.
+
+    Eager calls read the switches when each call picks its kernel; a compiled graph fixes the
+    kernel when it is traced, and Inductor's on-disk cache does not count the switches in its key:
+    a graph compiled earlier with another backend would be reused as it is (measured: `flash` ran
+    cuDNN's kernels). So each backend gets a cache folder of its own."""
     if name == "auto":
         return
     for backend, switch in _SDPA_SWITCHES.items():
         toggle = getattr(torch.backends.cuda, switch, None)
         if toggle is not None:  # cuDNN attention's switch exists from torch 2.2 on
             toggle(backend == name)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(inductor_cache_dir()) / f"sdpa-{name}")
+
+
+def inductor_cache_dir() -> str:
+    """Where Inductor keeps what it compiled: TORCHINDUCTOR_CACHE_DIR, or its default under the
+    temporary folder."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen:
+        return chosen
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return default_cache_dir()
+    except (ImportError, KeyError, OSError):  # older torch; no user name for this uid
+        return str(Path(tempfile.gettempdir()) / "torchinductor_sddoctor")
 
 
 def side_step(models: Models) -> int:
