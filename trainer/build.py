@@ -35,10 +35,11 @@ from trainer.lora import add_lora, describe_lora
 from trainer.memory import CastInputs, unet_weights_bf16
 from trainer.models import (
     Models,
+    OnlyAttentionKernel,
     build_models,
     check_model_fits,
     count_parameters,
-    set_attention_backend,
+    separate_compile_cache,
     side_step,
 )
 from trainer.nonfinite import NonFiniteWatch
@@ -107,7 +108,6 @@ def build_run(cfg: Config, d: Dist, out_dir: Path, log: Log, warn: Log) -> Run:
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-        set_attention_backend(cfg.model.attention_backend)
     check_optimizer(cfg.optim, d.device)
     # Bad input (a --resume target, the data folder) fails here, before any model is built.
     resume = choose_checkpoint(
@@ -378,7 +378,10 @@ def build_optimization(
     model: torch.nn.Module = unet
     if compile_unet:
         log("compiling the UNet with torch.compile: the first steps take a few minutes")
+        separate_compile_cache(cfg.model.attention_backend)
         model = torch.compile(unet, backend=cfg.model.compile_backend, mode=cfg.model.compile_mode or None)  # type: ignore[assignment]
+    if cfg.model.attention_backend != "auto" and device.type == "cuda":
+        model = OnlyAttentionKernel(model, cfg.model.attention_backend)
     if unet_bf16:
         model = CastInputs(model, torch.bfloat16)
     params = [p for p in unet.parameters() if p.requires_grad]

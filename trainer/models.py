@@ -14,6 +14,7 @@ for the words of the built-in captions. Its ids fit any CLIP text encoder's voca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -331,30 +332,46 @@ def build_on_meta(preset: str) -> dict[str, torch.nn.Module]:
         }
 
 
-#: model.attention_backend -> the one SDPA kernel left enabled (torch.backends.cuda switches).
-_SDPA_SWITCHES = {
-    "flash": "enable_flash_sdp",
-    "efficient": "enable_mem_efficient_sdp",
-    "cudnn": "enable_cudnn_sdp",
-    "math": "enable_math_sdp",
+#: model.attention_backend -> the one SDPA kernel the UNet may use
+_SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
 }
 
 
-def set_attention_backend(name: str) -> None:
-    """Leave only the named kernel enabled for F.scaled_dot_product_attention (diffusers'
-    AttnProcessor2_0), process-wide; `auto` leaves PyTorch's choice alone.
-
-    Eager calls read the switches when each call picks its kernel; a compiled graph fixes the
-    kernel when it is traced, and Inductor's on-disk cache does not count the switches in its key:
-    a graph compiled earlier with another backend would be reused as it is (measured: `flash` ran
-    cuDNN's kernels). So each backend gets a cache folder of its own."""
+def attention_kernel_scope(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A context in which F.scaled_dot_product_attention (diffusers' AttnProcessor2_0) may use
+    only the named kernel; `auto` leaves PyTorch's choice alone. Scoped, not process-wide: the
+    VAE's fp32 attention has no flash kernel ("Invalid backend" with flash alone, on an H200)."""
     if name == "auto":
-        return
-    for backend, switch in _SDPA_SWITCHES.items():
-        toggle = getattr(torch.backends.cuda, switch, None)
-        if toggle is not None:  # cuDNN attention's switch exists from torch 2.2 on
-            toggle(backend == name)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(inductor_cache_dir()) / f"sdpa-{name}")
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[name])])
+
+
+class OnlyAttentionKernel(torch.nn.Module):
+    """Runs `module` with only one attention kernel allowed (model.attention_backend)."""
+
+    def __init__(self, module: torch.nn.Module, backend: str) -> None:
+        super().__init__()
+        self.module = module
+        self.backend = backend
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with attention_kernel_scope(self.backend):
+            return self.module(*args, **kwargs)
+
+
+def separate_compile_cache(backend: str) -> None:
+    """Give each attention backend a compile cache of its own. A compiled graph fixes its
+    attention kernel when it is traced, and Inductor's on-disk cache does not count the kernel
+    switches in its key: a graph compiled earlier with another backend was reused as it was
+    (measured: `flash` ran cuDNN's kernels)."""
+    if backend != "auto":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(inductor_cache_dir()) / f"sdpa-{backend}")
 
 
 def inductor_cache_dir() -> str:
