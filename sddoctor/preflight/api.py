@@ -86,44 +86,23 @@ def run_check(
     and the checks are evaluated once the test's torch facts are in.
     Setting `stop` (a signal handler may) ends the collective test early; its processes are reaped."""
     holder: dict[str, bw.BandwidthResult] = {}
-    thread = None
+    thread: threading.Thread | None = None
     stop = stop or threading.Event()
     master: MasterInfo | None = None
     if collective:
-        env = read_env(os.environ)
-        chosen, procs = choose_workers(count_gpus(), env.get("CUDA_VISIBLE_DEVICES"), backend, nproc)
-        plan = bw.default_plan(quick, chosen == "nccl", sizes)
-        addr, port = master_target(env, master_addr, master_port)
-        test_addr = master_addr or (addr if nnodes > 1 else None)
-        test_port = master_port or (port if nnodes > 1 else None)
-        if test_port is not None and node_rank == 0:
-            # The test's rank 0 listens on this port: look at it before the test takes it.
-            master = read_master(addr, port, started_by_launcher(env), node_rank=node_rank)
-        if nnodes > 1 and not test_addr:
-            holder["result"] = bw.BandwidthResult(
-                backend=chosen,
-                world_size=procs * nnodes,
-                local_ranks=procs,
-                device="?",
-                error="several nodes need --master-addr and --master-port",
-            )
-        else:
-
-            def work() -> None:
-                holder["result"] = bw.run_bandwidth_test(
-                    procs,
-                    plan,
-                    backend=chosen,
-                    timeout=timeout,
-                    nnodes=nnodes,
-                    node_rank=node_rank,
-                    master_addr=test_addr,
-                    master_port=test_port,
-                    stop=stop,
-                )
-
-            thread = threading.Thread(target=work, name="sddoctor-bandwidth", daemon=True)
-            thread.start()
+        thread, master = _start_collective_test(
+            holder,
+            quick=quick,
+            sizes=sizes,
+            timeout=timeout,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,
+            nproc=nproc,
+            stop=stop,
+        )
     try:
         snap = collect_snapshot(
             master_addr=master_addr,
@@ -153,16 +132,75 @@ def run_check(
         report.bandwidth = holder["result"]
         report.findings.extend(bandwidth_findings(report.bandwidth, snap))
         if report.bandwidth.ok and report.bandwidth.rows:
-            # Node 0 may not have listened yet when this node looked; the test has since joined it.
-            for i, f in enumerate(report.findings):
-                if f.id == "master.unreachable":
-                    report.findings[i] = Finding(
-                        "master.ok",
-                        "ok",
-                        f"MASTER_ADDR {snap.master.addr}:{snap.master.port} was reached by the collective test",
-                        [*f.evidence, f"first attempt: {snap.master.reach_error}"],
-                    )
+            _master_reached_by_test(report.findings, snap)
     return report
+
+
+def _start_collective_test(
+    holder: dict[str, bw.BandwidthResult],
+    *,
+    quick: bool,
+    sizes: list[int] | None,
+    timeout: float,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int | None,
+    backend: str | None,
+    nproc: int | None,
+    stop: threading.Event,
+) -> tuple[threading.Thread | None, MasterInfo | None]:
+    """Start the collective test in a thread that puts its result in `holder["result"]`; return
+    the thread (None when the test cannot run: its result is already in `holder`) and MASTER_ADDR's
+    port as seen before the test's rank 0 took it (None when not looked at)."""
+    master: MasterInfo | None = None
+    env = read_env(os.environ)
+    chosen, procs = choose_workers(count_gpus(), env.get("CUDA_VISIBLE_DEVICES"), backend, nproc)
+    plan = bw.default_plan(quick, chosen == "nccl", sizes)
+    addr, port = master_target(env, master_addr, master_port)
+    test_addr = master_addr or (addr if nnodes > 1 else None)
+    test_port = master_port or (port if nnodes > 1 else None)
+    if test_port is not None and node_rank == 0:
+        # The test's rank 0 listens on this port: look at it before the test takes it.
+        master = read_master(addr, port, started_by_launcher(env), node_rank=node_rank)
+    if nnodes > 1 and not test_addr:
+        holder["result"] = bw.BandwidthResult(
+            backend=chosen,
+            world_size=procs * nnodes,
+            local_ranks=procs,
+            device="?",
+            error="several nodes need --master-addr and --master-port",
+        )
+        return None, master
+
+    def work() -> None:
+        holder["result"] = bw.run_bandwidth_test(
+            procs,
+            plan,
+            backend=chosen,
+            timeout=timeout,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=test_addr,
+            master_port=test_port,
+            stop=stop,
+        )
+
+    thread = threading.Thread(target=work, name="sddoctor-bandwidth", daemon=True)
+    thread.start()
+    return thread, master
+
+
+def _master_reached_by_test(findings: list[Finding], snap: SystemSnapshot) -> None:
+    """Node 0 may not have listened yet when this node looked; the test has since joined it."""
+    for i, f in enumerate(findings):
+        if f.id == "master.unreachable":
+            findings[i] = Finding(
+                "master.ok",
+                "ok",
+                f"MASTER_ADDR {snap.master.addr}:{snap.master.port} was reached by the collective test",
+                [*f.evidence, f"first attempt: {snap.master.reach_error}"],
+            )
 
 
 def run_preflight(
@@ -207,8 +245,17 @@ def run_preflight(
 
 
 def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list[Finding]:
+    """What the collective test says: its failures, whether the ranks run the same versions, and
+    the all-reduce bandwidth against what the links should give."""
+    findings = _test_failures(result)
+    findings += _version_findings(result)
+    findings += _speed_findings(result, snap)
+    return findings
+
+
+def _test_failures(result: bw.BandwidthResult) -> list[Finding]:
+    """The test could not run, a rank died, it hung, or a collective returned wrong data."""
     findings: list[Finding] = []
-    n = result.world_size
     if result.error and not result.rows:
         findings.append(
             Finding("bw.error", "fail", f"the collective test could not run: {result.error}", [], _BW_REMEDY)
@@ -225,30 +272,7 @@ def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list
             )
         )
     if result.never_joined or result.waiting_in_init or result.hung:
-        ev = []
-        if result.never_joined:
-            ev.append(f"never reached init_process_group: rank(s) {', '.join(map(str, result.never_joined))}")
-        if result.waiting_in_init:
-            ev.append(
-                "waited in init_process_group for the others: rank(s) "
-                + ", ".join(map(str, result.waiting_in_init))
-            )
-        ev += [f"rank {r} joined, stuck in {where}" for r, where in sorted(result.hung.items())]
-        culprit = result.never_joined or (result.waiting_in_init if not result.hung else sorted(result.hung))
-        findings.append(
-            Finding(
-                "bw.hang",
-                "fail",
-                f"the collective test did not finish within {result.timeout:g} s; "
-                f"look first at rank(s) {', '.join(map(str, culprit))}",
-                ev,
-                "Ranks that never joined: a process that did not start or is stuck before "
-                "init_process_group (or, across nodes, a node that is not running / cannot reach "
-                "MASTER_ADDR). Ranks stuck inside a collective: P2P/ACS/IOMMU (see pcie.acs_enabled, "
-                "iommu.translated; try NCCL_P2P_DISABLE=1) or a network that drops traffic "
-                "(NCCL_SOCKET_IFNAME). All processes were stopped.",
-            )
-        )
+        findings.append(_hang_finding(result))
     wrong = [r for r in result.rows if not r.correct]
     if wrong:
         findings.append(
@@ -261,13 +285,45 @@ def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list
                 "update the driver; check for Xid errors in dmesg.",
             )
         )
+    return findings
+
+
+def _hang_finding(result: bw.BandwidthResult) -> Finding:
+    """The test did not finish: which ranks never joined, waited in init, or are stuck where."""
+    ev = []
+    if result.never_joined:
+        ev.append(f"never reached init_process_group: rank(s) {', '.join(map(str, result.never_joined))}")
+    if result.waiting_in_init:
+        ev.append(
+            "waited in init_process_group for the others: rank(s) "
+            + ", ".join(map(str, result.waiting_in_init))
+        )
+    ev += [f"rank {r} joined, stuck in {where}" for r, where in sorted(result.hung.items())]
+    culprit = result.never_joined or (result.waiting_in_init if not result.hung else sorted(result.hung))
+    return Finding(
+        "bw.hang",
+        "fail",
+        f"the collective test did not finish within {result.timeout:g} s; "
+        f"look first at rank(s) {', '.join(map(str, culprit))}",
+        ev,
+        "Ranks that never joined: a process that did not start or is stuck before "
+        "init_process_group (or, across nodes, a node that is not running / cannot reach "
+        "MASTER_ADDR). Ranks stuck inside a collective: P2P/ACS/IOMMU (see pcie.acs_enabled, "
+        "iommu.translated; try NCCL_P2P_DISABLE=1) or a network that drops traffic "
+        "(NCCL_SOCKET_IFNAME). All processes were stopped.",
+    )
+
+
+def _version_findings(result: bw.BandwidthResult) -> list[Finding]:
+    """Whether every rank of the test runs the same torch / NCCL / CUDA."""
+    n = result.world_size
     hosts: dict[tuple[object, object, object], set[str]] = {}
     for info in result.ranks_info:
         if isinstance(info, dict):
             key = (info.get("torch"), info.get("nccl"), info.get("cuda"))
             hosts.setdefault(key, set()).add(str(info.get("host")))
     if len(hosts) > 1:
-        findings.append(
+        return [
             Finding(
                 "nodes.version_mismatch",
                 "fail",
@@ -276,25 +332,31 @@ def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list
                 "Install the same torch build (and so the same bundled NCCL) on every node; a shared "
                 "container image is the easy way.",
             )
-        )
-    elif len(hosts) == 1 and n > 1:
+        ]
+    if len(hosts) == 1 and n > 1:
         ((key, names),) = hosts.items()
-        findings.append(
+        return [
             Finding(
                 "nodes.versions",
                 "ok",
                 f"all {n} ranks on {len(names)} host(s) run torch {key[0]}, NCCL {key[1] or '-'}",
                 [", ".join(sorted(names))],
             )
-        )
+        ]
+    return []
+
+
+def _speed_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list[Finding]:
+    """The largest correct all-reduce: one rank, gloo, or NCCL judged against the topology."""
+    n = result.world_size
     ar = [r for r in result.rows if r.op == "all_reduce" and r.correct]
     if not ar:
-        return findings
+        return []
     top = max(ar, key=lambda r: r.size)
     summary = f"all_reduce {bw.format_size(top.size)}: algbw {top.algbw:.2f} GB/s, busbw {top.busbw:.2f} GB/s"
     if n == 1:
         copy = f"; device-local copy {result.local_copy_gbps:.0f} GB/s" if result.local_copy_gbps else ""
-        findings.append(
+        return [
             Finding(
                 "bw.single_rank",
                 "info",
@@ -302,10 +364,9 @@ def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list
                 [summary],
                 "Run with two or more GPUs to measure GPU-to-GPU bandwidth.",
             )
-        )
-        return findings
+        ]
     if result.backend != "nccl":
-        findings.append(
+        return [
             Finding(
                 "bw.result",
                 "info",
@@ -313,13 +374,12 @@ def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list
                 ["these numbers measure CPU and loopback speed, not NCCL"],
                 "",
             )
-        )
-        return findings
+        ]
     expected, why = (
         expected_busbw_gbps(snap.topology) if result.world_size == result.local_ranks else (None, "")
     )
     if expected and top.size >= bw.JUDGE_MIN_BYTES and top.busbw < bw.LOW_FRACTION * expected:
-        findings.append(
+        return [
             Finding(
                 "bw.low",
                 "warn",
@@ -329,11 +389,9 @@ def bandwidth_findings(result: bw.BandwidthResult, snap: SystemSnapshot) -> list
                 "Check the pairs in topo.matrix (P2P off? SYS links?), NCCL_P2P_DISABLE / NCCL_SHM_DISABLE, "
                 "ACS/IOMMU findings, GPU clocks/throttling (sddoctor tui), and other jobs on the GPUs.",
             )
-        )
-    else:
-        note = f"expected ~{expected:.0f} GB/s ({why})" if expected else "no reference for this topology"
-        findings.append(Finding("bw.result", "ok", f"NCCL works ({n} ranks): {summary}", [note]))
-    return findings
+        ]
+    note = f"expected ~{expected:.0f} GB/s ({why})" if expected else "no reference for this topology"
+    return [Finding("bw.result", "ok", f"NCCL works ({n} ranks): {summary}", [note])]
 
 
 _BW_REMEDY = "Fix the failing findings above (torch, GPUs, MASTER_ADDR), then rerun."

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sddoctor.gpu.pci_sysfs import ACS_P2P_REDIRECT_BITS
-from sddoctor.gpu.topology import expected_busbw_gbps, expected_pair_gbps, normalise_bus_id
+from sddoctor.gpu.topology import Gpu, expected_busbw_gbps, expected_pair_gbps, normalise_bus_id
 from sddoctor.preflight.findings import Finding
 from sddoctor.preflight.nccl_vars import (
     KNOWN_NCCL_VARS,
@@ -17,7 +17,7 @@ from sddoctor.preflight.nccl_vars import (
     TORCH_RENAMED_VARS,
     closest_nccl_var,
 )
-from sddoctor.preflight.snapshot import NetInterface, SystemSnapshot
+from sddoctor.preflight.snapshot import NetInterface, SystemSnapshot, TorchInfo
 
 Check = Callable[[SystemSnapshot], list[Finding]]
 
@@ -42,6 +42,37 @@ def _gpu_count(s: SystemSnapshot) -> int:
 
 
 def check_gpus(s: SystemSnapshot) -> list[Finding]:
+    unusable = _no_usable_gpu(s)
+    if unusable:
+        return unusable
+    topo = s.topology
+    names = [g.name for g in topo.gpus]
+    findings = [
+        Finding(
+            "gpu.inventory",
+            "ok",
+            f"{len(names)} GPU(s): {', '.join(sorted(set(names)))}; driver {topo.driver_version}, "
+            f"driver supports CUDA {topo.cuda_driver_version}",
+            [f"GPU{g.index} {g.name} {g.bus_id} {g.uuid}" for g in topo.gpus],
+        )
+    ]
+    if len(set(names)) > 1:
+        findings.append(
+            Finding(
+                "gpu.mixed_models",
+                "warn",
+                "GPUs of different models: collectives run at the speed of the slowest, and CUDA's "
+                "default FASTEST_FIRST order differs from nvidia-smi's",
+                [f"GPU{g.index}: {g.name}" for g in topo.gpus],
+                "Train on one model only: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=<the same-model GPUs>.",
+            )
+        )
+    return findings + _pcie_link_findings(s)
+
+
+def _no_usable_gpu(s: SystemSnapshot) -> list[Finding]:
+    """Why NVML gives no GPU to check (the driver is not loaded, NVML is missing, it lists none);
+    empty when it does."""
     topo = s.topology
     if not topo.available and s.pci.gpus:
         return [
@@ -78,27 +109,13 @@ def check_gpus(s: SystemSnapshot) -> list[Finding]:
                 "Check `nvidia-smi`; in a container pass the GPUs (--gpus all / NVIDIA_VISIBLE_DEVICES).",
             )
         ]
-    names = [g.name for g in topo.gpus]
-    findings = [
-        Finding(
-            "gpu.inventory",
-            "ok",
-            f"{len(names)} GPU(s): {', '.join(sorted(set(names)))}; driver {topo.driver_version}, "
-            f"driver supports CUDA {topo.cuda_driver_version}",
-            [f"GPU{g.index} {g.name} {g.bus_id} {g.uuid}" for g in topo.gpus],
-        )
-    ]
-    if len(set(names)) > 1:
-        findings.append(
-            Finding(
-                "gpu.mixed_models",
-                "warn",
-                "GPUs of different models: collectives run at the speed of the slowest, and CUDA's "
-                "default FASTEST_FIRST order differs from nvidia-smi's",
-                [f"GPU{g.index}: {g.name}" for g in topo.gpus],
-                "Train on one model only: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=<the same-model GPUs>.",
-            )
-        )
+    return []
+
+
+def _pcie_link_findings(s: SystemSnapshot) -> list[Finding]:
+    """GPUs whose PCIe link runs narrower, or at a lower generation, than it can."""
+    findings: list[Finding] = []
+    topo = s.topology
     narrow = [g for g in topo.gpus if g.pcie_width and g.pcie_width_max and g.pcie_width < g.pcie_width_max]
     if narrow:
         findings.append(
@@ -136,27 +153,8 @@ TORCH_DEPENDENT = (
 
 def check_torch(s: SystemSnapshot) -> list[Finding]:
     t = s.torch
-    if t.unknown:
-        return [
-            Finding(
-                "torch.not_reported",
-                "warn",
-                f"torch's versions and devices are unknown: {t.source}, which reads them, ended first",
-                [t.error or "no reason given", f"not checked: {TORCH_DEPENDENT}"],
-                "Fix what stopped the collective test (the bw.* findings and the rank's log lines), or "
-                "run `sddoctor check-nccl --no-bandwidth`, which reads torch in its own process.",
-            )
-        ]
-    if not t.available:
-        return [
-            Finding(
-                "torch.missing",
-                "fail",
-                "torch cannot be imported: no collective test possible",
-                [t.error or "unknown", f"tried in {t.source}"],
-                "Install PyTorch (https://pytorch.org/get-started) in this environment.",
-            )
-        ]
+    if t.unknown or not t.available:
+        return [_torch_unusable(t)]
     gpus = _gpu_count(s)
     findings = [
         Finding(
@@ -182,6 +180,35 @@ def check_torch(s: SystemSnapshot) -> list[Finding]:
             )
         )
         return findings
+    findings += _torch_cuda_against_driver(s)
+    findings += _torch_cuda_usable(s, gpus)
+    return findings
+
+
+def _torch_unusable(t: TorchInfo) -> Finding:
+    """torch's facts are unknown (the process that reads them ended first) or torch is missing."""
+    if t.unknown:
+        return Finding(
+            "torch.not_reported",
+            "warn",
+            f"torch's versions and devices are unknown: {t.source}, which reads them, ended first",
+            [t.error or "no reason given", f"not checked: {TORCH_DEPENDENT}"],
+            "Fix what stopped the collective test (the bw.* findings and the rank's log lines), or "
+            "run `sddoctor check-nccl --no-bandwidth`, which reads torch in its own process.",
+        )
+    return Finding(
+        "torch.missing",
+        "fail",
+        "torch cannot be imported: no collective test possible",
+        [t.error or "unknown", f"tried in {t.source}"],
+        "Install PyTorch (https://pytorch.org/get-started) in this environment.",
+    )
+
+
+def _torch_cuda_against_driver(s: SystemSnapshot) -> list[Finding]:
+    """torch's CUDA version against the newest the driver supports."""
+    t = s.torch
+    findings: list[Finding] = []
     driver_cuda = s.topology.cuda_driver_version
     if t.cuda_version and driver_cuda:
         tmaj, tmin = (int(x) for x in t.cuda_version.split(".")[:2])
@@ -207,6 +234,13 @@ def check_torch(s: SystemSnapshot) -> list[Finding]:
                     "If kernels fail with 'PTX was compiled with an unsupported toolchain', update the driver.",
                 )
             )
+    return findings
+
+
+def _torch_cuda_usable(s: SystemSnapshot, gpus: int) -> list[Finding]:
+    """The machine has GPUs: torch must be able to use CUDA, and NCCL with it."""
+    t = s.torch
+    findings: list[Finding] = []
     if gpus and not t.cuda_available:
         findings.append(
             Finding(
@@ -240,65 +274,78 @@ def _visible_entries(value: str) -> list[str]:
 
 def check_cuda_visible(s: SystemSnapshot) -> list[Finding]:
     env = s.env
-    findings: list[Finding] = []
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     order = env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
     gpus = s.topology.gpus if s.topology.available else []
+    findings: list[Finding] = []
     if cvd is not None and gpus:
-        entries = _visible_entries(cvd)
-        bad = []
-        for e in entries:
-            if e.lstrip("-").isdigit():
-                if int(e) < 0 or int(e) >= len(gpus):
-                    bad.append(e)
-            elif e.startswith(("GPU-", "MIG-")):
-                if not any(g.uuid.startswith(e) for g in gpus) and e.startswith("GPU-"):
-                    bad.append(e)
-            else:
+        findings += _visible_devices_findings(cvd, order, gpus)
+    findings += _torch_device_order(s, gpus, order)
+    findings += _torch_gpu_count(s, gpus, cvd)
+    return findings
+
+
+def _visible_devices_findings(cvd: str, order: str, gpus: list[Gpu]) -> list[Finding]:
+    """CUDA_VISIBLE_DEVICES against NVML's GPUs: empty, naming GPUs that do not exist, or indices
+    whose meaning depends on CUDA_DEVICE_ORDER."""
+    entries = _visible_entries(cvd)
+    bad = []
+    for e in entries:
+        if e.lstrip("-").isdigit():
+            if int(e) < 0 or int(e) >= len(gpus):
                 bad.append(e)
-        if not entries:
-            findings.append(
-                Finding(
-                    "cuda.visible_devices_invalid",
-                    "fail",
-                    "CUDA_VISIBLE_DEVICES is empty: every GPU is hidden",
-                    [f"CUDA_VISIBLE_DEVICES={cvd!r}"],
-                    "Unset CUDA_VISIBLE_DEVICES or list the GPUs to use (e.g. 0,1,2,3).",
-                )
+        elif e.startswith(("GPU-", "MIG-")):
+            if not any(g.uuid.startswith(e) for g in gpus) and e.startswith("GPU-"):
+                bad.append(e)
+        else:
+            bad.append(e)
+    if not entries:
+        return [
+            Finding(
+                "cuda.visible_devices_invalid",
+                "fail",
+                "CUDA_VISIBLE_DEVICES is empty: every GPU is hidden",
+                [f"CUDA_VISIBLE_DEVICES={cvd!r}"],
+                "Unset CUDA_VISIBLE_DEVICES or list the GPUs to use (e.g. 0,1,2,3).",
             )
-        elif bad:
-            findings.append(
-                Finding(
-                    "cuda.visible_devices_invalid",
-                    "fail",
-                    f"CUDA_VISIBLE_DEVICES names GPUs that do not exist: {', '.join(bad)}",
-                    [
-                        f"CUDA_VISIBLE_DEVICES={cvd!r}",
-                        f"this machine has {len(gpus)} GPU(s), indices 0-{len(gpus) - 1}",
-                    ],
-                    "CUDA stops at the first invalid entry and hides the rest: list only existing "
-                    "indices or GPU UUIDs (nvidia-smi -L).",
-                )
+        ]
+    if bad:
+        return [
+            Finding(
+                "cuda.visible_devices_invalid",
+                "fail",
+                f"CUDA_VISIBLE_DEVICES names GPUs that do not exist: {', '.join(bad)}",
+                [
+                    f"CUDA_VISIBLE_DEVICES={cvd!r}",
+                    f"this machine has {len(gpus)} GPU(s), indices 0-{len(gpus) - 1}",
+                ],
+                "CUDA stops at the first invalid entry and hides the rest: list only existing "
+                "indices or GPU UUIDs (nvidia-smi -L).",
             )
-        elif any(e.isdigit() for e in entries) and order != "PCI_BUS_ID" and len({g.name for g in gpus}) > 1:
-            findings.append(
-                Finding(
-                    "cuda.device_order",
-                    "warn",
-                    "CUDA_VISIBLE_DEVICES uses indices, GPUs differ and CUDA_DEVICE_ORDER is not PCI_BUS_ID: "
-                    "index N is not nvidia-smi's GPU N",
-                    [f"CUDA_VISIBLE_DEVICES={cvd!r}", f"CUDA_DEVICE_ORDER={order}"],
-                    "export CUDA_DEVICE_ORDER=PCI_BUS_ID (then CUDA and nvidia-smi number GPUs alike).",
-                )
+        ]
+    if any(e.isdigit() for e in entries) and order != "PCI_BUS_ID" and len({g.name for g in gpus}) > 1:
+        return [
+            Finding(
+                "cuda.device_order",
+                "warn",
+                "CUDA_VISIBLE_DEVICES uses indices, GPUs differ and CUDA_DEVICE_ORDER is not PCI_BUS_ID: "
+                "index N is not nvidia-smi's GPU N",
+                [f"CUDA_VISIBLE_DEVICES={cvd!r}", f"CUDA_DEVICE_ORDER={order}"],
+                "export CUDA_DEVICE_ORDER=PCI_BUS_ID (then CUDA and nvidia-smi number GPUs alike).",
             )
-    # torch's device order against NVML's PCI order, when torch tells us bus ids.
+        ]
+    return []
+
+
+def _torch_device_order(s: SystemSnapshot, gpus: list[Gpu], order: str) -> list[Finding]:
+    """torch's device order against NVML's PCI order, when torch tells us bus ids."""
     tdev = [d for d in s.torch.devices if d.get("bus_id")]
     if gpus and tdev:
         nvml_index = {g.bus_id: g.index for g in gpus}
         mapping = [(d["index"], nvml_index.get(normalise_bus_id(d["bus_id"]))) for d in tdev]
         pci_sorted = sorted(tdev, key=lambda d: normalise_bus_id(d["bus_id"]))
         if [d["index"] for d in pci_sorted] != [d["index"] for d in tdev] and order != "PCI_BUS_ID":
-            findings.append(
+            return [
                 Finding(
                     "cuda.device_order",
                     "warn",
@@ -306,13 +353,18 @@ def check_cuda_visible(s: SystemSnapshot) -> list[Finding]:
                     [f"cuda:{t} = nvidia-smi GPU{n}" for t, n in mapping],
                     "export CUDA_DEVICE_ORDER=PCI_BUS_ID so that cuda:N, nvidia-smi and sddoctor tui agree.",
                 )
-            )
+            ]
+    return []
+
+
+def _torch_gpu_count(s: SystemSnapshot, gpus: list[Gpu], cvd: str | None) -> list[Finding]:
+    """As many CUDA devices in torch as NVML lists (or CUDA_VISIBLE_DEVICES keeps)."""
     if gpus and s.torch.available and s.torch.cuda_available:
         expected = len(gpus)
         if cvd is not None:
             expected = len(_visible_entries(cvd))
         if len(s.torch.devices) != expected:
-            findings.append(
+            return [
                 Finding(
                     "torch.gpu_mismatch",
                     "warn",
@@ -322,8 +374,8 @@ def check_cuda_visible(s: SystemSnapshot) -> list[Finding]:
                     "A GPU that NVML lists but CUDA cannot open is often in a bad state (Xid errors in "
                     "dmesg, needs a reset) or in use in exclusive-process mode (nvidia-smi -q -d COMPUTE).",
                 )
-            )
-    return findings
+            ]
+    return []
 
 
 # -- topology, ACS, IOMMU -------------------------------------------------------------------------
@@ -624,7 +676,14 @@ def nccl_socket_candidates(
 
 
 def check_nccl_env(s: SystemSnapshot) -> list[Finding]:
-    env = s.env
+    findings = _nccl_var_names(s.env)
+    findings += _nccl_transport_settings(s)
+    findings += _nccl_network_settings(s)
+    return findings
+
+
+def _nccl_var_names(env: dict[str, str]) -> list[Finding]:
+    """NCCL_* names that NCCL does not read: renamed by torch, removed, misspelled or unknown."""
     findings: list[Finding] = []
     for name in sorted(k for k in env if k.startswith("NCCL_")):
         if name in KNOWN_NCCL_VARS or name in NOT_SETTINGS:
@@ -670,6 +729,13 @@ def check_nccl_env(s: SystemSnapshot) -> list[Finding]:
                     "Check the spelling against https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html.",
                 )
             )
+    return findings
+
+
+def _nccl_transport_settings(s: SystemSnapshot) -> list[Finding]:
+    """P2P and SHM switched off between the GPUs of this node."""
+    env = s.env
+    findings: list[Finding] = []
     topo = s.topology
     nvlink = topo.available and any(p.kind == "nvlink" for p in topo.pairs)
     if _truthy(env.get("NCCL_P2P_DISABLE")) and _gpu_count(s) >= 2:
@@ -697,6 +763,14 @@ def check_nccl_env(s: SystemSnapshot) -> list[Finding]:
                 "Unset NCCL_SHM_DISABLE (enlarge /dev/shm instead if SHM failed).",
             )
         )
+    return findings
+
+
+def _nccl_network_settings(s: SystemSnapshot) -> list[Finding]:
+    """NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE and NCCL_IB_HCA against this machine's interfaces and
+    RDMA devices."""
+    env = s.env
+    findings: list[Finding] = []
     spec = env.get("NCCL_SOCKET_IFNAME")
     if spec is not None:
         chosen, _ = nccl_socket_candidates(s.interfaces, env)

@@ -160,6 +160,29 @@ def derive(
     snap = RankSnapshot.of(inputs.state)
     start = inputs.start or {}
     status = RankStatus(rank=inputs.rank, node=inputs.node)
+    _fill_identity(status, snap, start)
+    _fill_progress(status, snap, rates, now)
+    oldest = _fill_collectives(status, snap, rates, now)
+
+    mine = [v for v in verdicts if isinstance(v, dict) and v.get("culprit_rank") == inputs.rank]
+    started = _first(_float(start.get("t")), run_started)
+    state = _stopped_state(status, inputs, snap, mine) or _live_state(
+        status, inputs, snap, rates, oldest, now, started, startup_allowance
+    )
+    if state is not None:
+        status.state, status.state_text = state
+    if inputs.fallback is not None:
+        status.notes.append(_fallback_text(inputs.fallback))
+    if inputs.oom is not None:
+        oom = inputs.oom
+        status.notes.append(f"OOM at step {oom.get('step', '?')} in {oom.get('phase', '?')}")
+    for v in mine:
+        status.notes.append(f"{v.get('severity', 'info')}: {v.get('summary', v.get('kind'))}")
+    return status
+
+
+def _fill_identity(status: RankStatus, snap: RankSnapshot, start: dict[str, Any]) -> None:
+    """Host, pid, ranks and the physical GPU: from the snapshot, else from the `start` event."""
     status.host = snap.host or start.get("host")
     status.pid = _first(snap.pid, _int(start.get("pid")))
     status.local_rank = _first(snap.local_rank, _int(start.get("local_rank")))
@@ -177,6 +200,10 @@ def derive(
                 status.device = int(entry)
             elif entry.startswith("GPU-") and not status.device_uuid:
                 status.device_uuid = entry
+
+
+def _fill_progress(status: RankStatus, snap: RankSnapshot, rates: RateTracker, now: float) -> None:
+    """The step, its loss and batch, the rates (fed with this snapshot's step) and the heartbeat."""
     status.phase = snap.phase
     last = snap.last_step
     status.step = _first(snap.step, last.step)
@@ -189,6 +216,12 @@ def derive(
     hb = snap.alive_at
     status.heartbeat_age = None if hb is None else max(0.0, now - hb)
 
+
+def _fill_collectives(
+    status: RankStatus, snap: RankSnapshot, rates: RateTracker, now: float
+) -> Collective | None:
+    """The last collective done, the one in flight and where it was called; returns the oldest
+    collective in flight (None when there is none)."""
     rates.add_collectives(snap.t, snap.total_count)
     oldest = min(snap.inflight, key=lambda c: _since(c, now)) if snap.inflight else None
     done = snap.last_done
@@ -202,66 +235,72 @@ def derive(
     if oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
         status.inflight = f"{oldest.op or 'collective'} #{_seq(oldest)}"
         status.inflight_for = now - _since(oldest, now)
+    return oldest
 
-    mine = [v for v in verdicts if isinstance(v, dict) and v.get("culprit_rank") == inputs.rank]
+
+def _stopped_state(
+    status: RankStatus, inputs: RankInputs, snap: RankSnapshot, mine: list[dict[str, Any]]
+) -> tuple[str, str] | None:
+    """Exited, crashed or hung by its exit record, the process table or a verdict naming it."""
     exit_ev = inputs.exit
     if exit_ev is None and snap.exited:
         exit_ev = {"status": "ok"}
     if exit_ev is not None:
         if exit_ev.get("status") in (None, "ok") and _int(exit_ev.get("code")) in (None, 0):
-            status.state, status.state_text = "exited", "exited normally"
-        else:
-            status.state = "crashed"
-            status.state_text = _crash_text(exit_ev, inputs.exception)
-    elif any(str(v.get("kind", "")).startswith("crash") for v in mine):
+            return "exited", "exited normally"
+        return "crashed", _crash_text(exit_ev, inputs.exception)
+    if any(str(v.get("kind", "")).startswith("crash") for v in mine):
         v = next(v for v in mine if str(v.get("kind", "")).startswith("crash"))
-        status.state, status.state_text = "crashed", str(v.get("summary") or "crashed")
-    elif inputs.pid_alive is False:
-        status.state = "crashed"
-        status.state_text = f"process {status.pid} is gone without an exit record"
-    elif any(str(v.get("kind", "")).startswith("hang") for v in mine):
+        return "crashed", str(v.get("summary") or "crashed")
+    if inputs.pid_alive is False:
+        return "crashed", f"process {status.pid} is gone without an exit record"
+    if any(str(v.get("kind", "")).startswith("hang") for v in mine):
         v = next(v for v in mine if str(v.get("kind", "")).startswith("hang"))
-        status.state, status.state_text = "hung", str(v.get("summary") or "hung")
-    elif oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
+        return "hung", str(v.get("summary") or "hung")
+    return None
+
+
+def _live_state(
+    status: RankStatus,
+    inputs: RankInputs,
+    snap: RankSnapshot,
+    rates: RateTracker,
+    oldest: Collective | None,
+    now: float,
+    started: float | None,
+    startup_allowance: float,
+) -> tuple[str, str] | None:
+    """What a rank that has not stopped does: in a collective, silent, recovering from an OOM,
+    training, running without steps, or stuck at start; None while it is still starting."""
+    if oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
         age = now - _since(oldest, now)
-        status.state = "hung" if age >= HUNG_AFTER else "collective"
-        status.state_text = f"in {oldest.op or 'collective'} #{_seq(oldest)} for {age:.0f} s"
-    elif status.heartbeat_age is not None and status.heartbeat_age >= SILENT_AFTER:
-        status.state = "silent"
-        status.state_text = f"no heartbeat for {status.heartbeat_age:.0f} s"
-    elif inputs.fallback is not None and now - (_float(inputs.fallback.get("t")) or 0) < FALLBACK_SHOWN_FOR:
-        status.state, status.state_text = "oom-fallback", _fallback_text(inputs.fallback)
-    elif status.step is not None:
-        status.state, status.state_text = "training", f"step {status.step}"
+        state = "hung" if age >= HUNG_AFTER else "collective"
+        return state, f"in {oldest.op or 'collective'} #{_seq(oldest)} for {age:.0f} s"
+    if status.heartbeat_age is not None and status.heartbeat_age >= SILENT_AFTER:
+        return "silent", f"no heartbeat for {status.heartbeat_age:.0f} s"
+    if inputs.fallback is not None and now - (_float(inputs.fallback.get("t")) or 0) < FALLBACK_SHOWN_FOR:
+        return "oom-fallback", _fallback_text(inputs.fallback)
+    if status.step is not None:
+        text = f"step {status.step}"
         if status.phase:
-            status.state_text += f", {status.phase}"
-    elif snap.issued or done is not None or oldest is not None:
+            text += f", {status.phase}"
+        return "training", text
+    if snap.issued or snap.last_done is not None or oldest is not None:
         per_s = rates.collectives_per_s()
-        status.state = "running"
-        status.state_text = "no step reported; " + (
+        text = "no step reported; " + (
             f"last collective {status.last_collective}"
             if status.last_collective
             else "in its first collective"
         )
         if per_s is not None:
-            status.state_text += f", {per_s:.1f} collectives/s"
-    else:
-        started = _first(_float(start.get("t")), run_started)
-        if started is not None and now - started >= startup_allowance:
-            status.state = "stuck"
-            status.state_text = (
-                f"stuck at start: no step or collective {now - started:.0f} s after it started"
-            )
-            if snap.waiting is not None:
-                status.state_text += f", waiting in {snap.waiting['what']}"
-    if inputs.fallback is not None:
-        status.notes.append(_fallback_text(inputs.fallback))
-    if inputs.oom is not None:
-        oom = inputs.oom
-        status.notes.append(f"OOM at step {oom.get('step', '?')} in {oom.get('phase', '?')}")
-    for v in mine:
-        status.notes.append(f"{v.get('severity', 'info')}: {v.get('summary', v.get('kind'))}")
-    return status
+            text += f", {per_s:.1f} collectives/s"
+        return "running", text
+    if started is not None and now - started >= startup_allowance:
+        text = f"stuck at start: no step or collective {now - started:.0f} s after it started"
+        if snap.waiting is not None:
+            text += f", waiting in {snap.waiting['what']}"
+        return "stuck", text
+    return None
 
 
 def _since(collective: Collective, now: float) -> float:

@@ -86,8 +86,6 @@ def _port(text: str) -> int:
 
 
 def run_parser() -> argparse.ArgumentParser:
-    from sddoctor.supervise.http import DEFAULT_PORT
-
     p = argparse.ArgumentParser(
         prog="sddoctor run",
         description="Run a distributed job under supervision; explain hangs, crashes, stragglers and OOMs.",
@@ -101,6 +99,28 @@ def run_parser() -> argparse.ArgumentParser:
         help="--run-dir holds an earlier run: move its telemetry to RUN_DIR/replaced/<time>/ and use the "
         "folder (without it such a folder is refused, exit 2)",
     )
+    _diagnosis_arguments(p)
+    _endpoint_arguments(p)
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run `sddoctor check-nccl --quick` (checks and a short collective test, 30 s limit) before "
+        "launching; a `fail` finding stops here (exit 3)",
+    )
+    p.add_argument(
+        "--preflight-continue",
+        action="store_true",
+        help="with --preflight: launch even when a finding is `fail`",
+    )
+    p.add_argument("--native", action="store_true", help="include native frames in stack dumps (slower)")
+    p.add_argument("--json", action="store_true", help="print the final report as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress lines; only the final summary")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher command")
+    return p
+
+
+def _diagnosis_arguments(p: argparse.ArgumentParser) -> None:
+    """When a run counts as hung or straggling, and what happens on a hang."""
     p.add_argument(
         "--hang-timeout",
         type=_positive,
@@ -132,6 +152,12 @@ def run_parser() -> argparse.ArgumentParser:
         help="a rank computing R times longer between collectives than the others is a straggler "
         f"(default {STRAGGLER_RATIO:g})",
     )
+
+
+def _endpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """The state endpoint: where it listens, its token, the other nodes' supervisors."""
+    from sddoctor.supervise.http import DEFAULT_PORT
+
     p.add_argument(
         "--port",
         type=_port,
@@ -160,31 +186,11 @@ def run_parser() -> argparse.ArgumentParser:
         default="",
         help="other nodes' supervisors, host:port,... (this node writes the job report)",
     )
-    p.add_argument(
-        "--preflight",
-        action="store_true",
-        help="run `sddoctor check-nccl --quick` (checks and a short collective test, 30 s limit) before "
-        "launching; a `fail` finding stops here (exit 3)",
-    )
-    p.add_argument(
-        "--preflight-continue",
-        action="store_true",
-        help="with --preflight: launch even when a finding is `fail`",
-    )
-    p.add_argument("--native", action="store_true", help="include native frames in stack dumps (slower)")
-    p.add_argument("--json", action="store_true", help="print the final report as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress lines; only the final summary")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher command")
-    return p
 
 
 def main(argv: list[str]) -> int:
     """`sddoctor run`."""
-    from sddoctor.instrument.faults import FAULT_ENV
     from sddoctor.supervise import launch
-    from sddoctor.supervise.http import TOKEN_ENV
-    from sddoctor.supervise.lifecycle import job_environment
-    from sddoctor.supervise.rundir_claim import earlier_run, set_aside
     from sddoctor.supervise.supervisor import Options, Supervisor
 
     parser = run_parser()
@@ -203,20 +209,11 @@ def main(argv: list[str]) -> int:
         print(f"sddoctor run: {exc}", file=sys.stderr)
         return exitcodes.USAGE
     try:
-        run_dir = _make_run_dir(args.run_dir)
-        earlier = earlier_run(run_dir.path, replace=args.replace)  # refuses a used folder (exit 2)
-        lease = _take_lease(run_dir)  # and no other supervisor uses it now (else exit 2)
-        if earlier is not None:
-            set_aside(run_dir.path, earlier)
-        token, generated = _endpoint_token(args, server, run_dir)
+        run_dir, lease, token, generated = _claim_run_dir(args, server)
     except ValueError as exc:
-        if server is not None:
-            server.stop()
         print(f"sddoctor run: {exc}", file=sys.stderr)
         return exitcodes.USAGE
-    env, warning = launch.rank_env(run_dir.path)
-    env.pop(TOKEN_ENV, None)  # the ranks need no key to our endpoint
-    env.update(job_environment(lease))  # every process of the job watches the supervisor
+    env, warning = _job_env(run_dir, lease)
     kind = launch.launcher_kind(command)
     preflight_failed = False
     if args.preflight:
@@ -229,23 +226,7 @@ def main(argv: list[str]) -> int:
         straggler_ratio=args.straggler_ratio,
         on_hang=args.on_hang,
     )
-    info: dict[str, Any] = run_dir.write_run_info(
-        schema=RUN_SCHEMA,
-        command=redact_argv(command),
-        started=time.time(),
-        started_iso=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        host=socket.gethostname(),
-        launcher=kind,
-        world_size=launch.world_size_hint(command),
-        node_rank=launch.node_rank_hint(command),
-        supervisor_pid=os.getpid(),
-        fault=os.environ.get(FAULT_ENV) or None,
-        options={
-            **run_options.to_dict(),
-            "bind": args.bind if server is not None else None,
-            "auth": "token" if token else "none",
-        },
-    )
+    info = _write_run_info(run_dir, args, command, kind, run_options, server, token)
     if preflight_failed and not args.preflight_continue:
         if server is not None:
             server.stop()
@@ -271,15 +252,7 @@ def main(argv: list[str]) -> int:
     for line in (warning, note):
         if line:
             sup.say(line)
-    if generated:
-        _say_always(
-            f"[sddoctor] endpoint token (shown once; clients send 'Authorization: Bearer <token>'; "
-            f"stored in {run_dir.path / 'endpoint.token'}, mode 0600): {token}"
-        )
-    elif server is not None and token is None and not _loopback(args.bind):
-        _say_always(
-            f"[sddoctor] warning: --insecure: anyone who can reach {args.bind}:{server.port} reads the job's state"
-        )
+    _say_endpoint_access(args, server, run_dir, token, generated)
     try:
         code, report = sup.run()
     except FileNotFoundError as exc:
@@ -289,6 +262,85 @@ def main(argv: list[str]) -> int:
     lease.end(str(report.get("outcome")), code)
     _print_result(report, run_dir, as_json=args.json)
     return code
+
+
+def _claim_run_dir(args: argparse.Namespace, server: Any) -> tuple[RunDir, Any, str | None, bool]:
+    """(run dir, lease, token, generated): the run directory made or taken over and locked for this
+    supervisor, and the endpoint's token. ValueError (the endpoint stopped) when it cannot be."""
+    from sddoctor.supervise.rundir_claim import earlier_run, set_aside
+
+    try:
+        run_dir = _make_run_dir(args.run_dir)
+        earlier = earlier_run(run_dir.path, replace=args.replace)  # refuses a used folder (exit 2)
+        lease = _take_lease(run_dir)  # and no other supervisor uses it now (else exit 2)
+        if earlier is not None:
+            set_aside(run_dir.path, earlier)
+        token, generated = _endpoint_token(args, server, run_dir)
+    except ValueError:
+        if server is not None:
+            server.stop()
+        raise
+    return run_dir, lease, token, generated
+
+
+def _job_env(run_dir: RunDir, lease: Any) -> tuple[dict[str, str], str | None]:
+    """The job's environment and, when the ranks will not be instrumented, the warning saying why."""
+    from sddoctor.supervise import launch
+    from sddoctor.supervise.http import TOKEN_ENV
+    from sddoctor.supervise.lifecycle import job_environment
+
+    env, warning = launch.rank_env(run_dir.path)
+    env.pop(TOKEN_ENV, None)  # the ranks need no key to our endpoint
+    env.update(job_environment(lease))  # every process of the job watches the supervisor
+    return env, warning
+
+
+def _write_run_info(
+    run_dir: RunDir,
+    args: argparse.Namespace,
+    command: list[str],
+    kind: str,
+    run_options: RunOptions,
+    server: Any,
+    token: str | None,
+) -> dict[str, Any]:
+    """run.json: the command (secrets redacted), where and when it started, the options."""
+    from sddoctor.instrument.faults import FAULT_ENV
+    from sddoctor.supervise import launch
+
+    info: dict[str, Any] = run_dir.write_run_info(
+        schema=RUN_SCHEMA,
+        command=redact_argv(command),
+        started=time.time(),
+        started_iso=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        host=socket.gethostname(),
+        launcher=kind,
+        world_size=launch.world_size_hint(command),
+        node_rank=launch.node_rank_hint(command),
+        supervisor_pid=os.getpid(),
+        fault=os.environ.get(FAULT_ENV) or None,
+        options={
+            **run_options.to_dict(),
+            "bind": args.bind if server is not None else None,
+            "auth": "token" if token else "none",
+        },
+    )
+    return info
+
+
+def _say_endpoint_access(
+    args: argparse.Namespace, server: Any, run_dir: RunDir, token: str | None, generated: bool
+) -> None:
+    """A token made for this run is shown once; an endpoint open to all off loopback is a warning."""
+    if generated:
+        _say_always(
+            f"[sddoctor] endpoint token (shown once; clients send 'Authorization: Bearer <token>'; "
+            f"stored in {run_dir.path / 'endpoint.token'}, mode 0600): {token}"
+        )
+    elif server is not None and token is None and not _loopback(args.bind):
+        _say_always(
+            f"[sddoctor] warning: --insecure: anyone who can reach {args.bind}:{server.port} reads the job's state"
+        )
 
 
 RUN_SCHEMA = "sddoctor.run/1"

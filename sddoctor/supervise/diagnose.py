@@ -556,15 +556,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     """Classify a hang by where every rank is: who is missing, who disagrees, or all waiting."""
     stalled = round(state.stalled_for, 1)
     expected = _expected_ranks(state)
-    # The collective the waiting ranks are stuck in: per pg, the highest seq in flight.
-    waiting: dict[tuple[str, int], list[int]] = {}
-    calls: dict[int, Collective] = {}
-    for one in state.ranks.values():
-        if one.exited or not one.snapshot.inflight:
-            continue
-        c = max(one.snapshot.inflight, key=lambda c: c.seq or 0)
-        calls[one.rank] = c
-        waiting.setdefault((c.pg, c.seq or 0), []).append(one.rank)
+    waiting, calls = _collectives_waited_in(state)
     evidence = [
         _position(state.ranks[r]) if r in state.ranks else f"rank {r}: never reported" for r in expected
     ]
@@ -575,34 +567,7 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         base["declared_by_peer"] = state.hang_declared_by
 
     if not waiting:
-        startup = _startup_hang(state, expected, base, evidence)
-        if startup is not None:
-            return [startup]
-        loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]
-        if loaders:
-            location, how = _where(state.ranks[loaders[0]])
-            return [
-                Verdict(
-                    "hang.dataloader",
-                    "error",
-                    f"no progress for {stalled:.0f} s: rank {_join(loaders)} stuck loading data; {how}",
-                    loaders[0],
-                    location,
-                    {**base, "ranks": loaders},
-                    evidence,
-                )
-            ]
-        return [
-            Verdict(
-                "hang.unknown",
-                "error",
-                f"no progress for {stalled:.0f} s and no rank is inside a collective; see each rank's stack",
-                None,
-                None,
-                base,
-                evidence,
-            )
-        ]
+        return [_hang_outside_collectives(state, expected, stalled, base, evidence)]
 
     # The collective most ranks wait in is "#k"; everyone else is "missing" from it.
     (pg, seq), waiters = max(waiting.items(), key=lambda kv: (len(kv[1]), kv[0][1]))
@@ -618,64 +583,15 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     live = [r for r in expected if r in state.ranks and not state.ranks[r].exited]
     frozen = _frozen_ranks(state, live)
     if frozen and len(frozen) < len(live):
-        culprit = frozen[0]
-        others = sorted(r for r in waiters if r not in frozen)
-        ages = {r: round(state.now - (state.ranks[r].snapshot.heartbeat or 0.0), 1) for r in frozen}
-        location, how = _where(state.ranks[culprit])
-        inside = culprit in calls
-        if inside:
-            location = location if state.ranks[culprit].stack else calls[culprit].caller
-        summary = (
-            f"hang: rank {_join(frozen)} stopped responding (heartbeat {max(ages.values()):.0f} s old) "
-            + (f"inside {calls[culprit].op} #{calls[culprit].seq}" if inside else f"({how})")
-            + f": its process is frozen (stopped, traced, or stuck in native code); "
-            f"rank{'s' if len(others) > 1 else ''} {_join(others)} wait{'' if len(others) > 1 else 's'} "
-            f"in {where_call}"
-        )
-        details.update(frozen_ranks=frozen, heartbeat_age=ages)
-        kind = "hang.comm" if inside else "hang.missing_rank"
-        return [Verdict(kind, "error", summary, culprit, location, details, evidence)]
+        return [_frozen_hang(state, frozen, waiters, calls, where_call, details, evidence)]
 
     # Ranks that wait in the same seq but disagree on op/shapes.
-    signatures: dict[str, list[int]] = {}
-    for r in waiters:
-        c = calls[r]
-        signatures.setdefault(f"{c.op} {c.shapes}", []).append(r)
+    signatures = {f"{calls[r].op} {calls[r].shapes}" for r in waiters}
     if len(signatures) > 1 or out_of_step:
         return [_mismatch_verdict(state, pg, seq, waiters, out_of_step, calls, details, evidence)]
 
     if absent:
-        culprits = absent
-        loaders = [r for r in culprits if r in state.ranks and _in_dataloader(state.ranks[r])]
-        culprit_rank = _pick_culprit(state, culprits, ("skip",))
-        rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
-        if rank is None:
-            location, how = _never_joined(state, culprit_rank) if culprit_rank is not None else (None, "")
-        elif rank.exited:
-            fault = _fault_of(rank, ("skip",))
-            location = (
-                (fault or {}).get("caller") or _exception_location(rank.exception, rank) or _where(rank)[0]
-            )
-            how = f"it {describe_exit(rank_exit(rank, state))}"
-        else:
-            location, how = _where(rank)
-            fault = _fault_of(rank, ("skip",))
-            if fault and not (rank.stack or {}).get("top_user_frame"):
-                location = fault.get("caller") or location
-        fault = _fault_of(rank, ("skip",)) if rank else None
-        if fault:
-            evidence.append(
-                f"injected fault {fault.get('fault')!r} fired on rank {culprit_rank} at {fault.get('caller')}"
-            )
-        kind = "hang.dataloader" if loaders else "hang.missing_rank"
-        stuck = " is stuck in its DataLoader and" if loaders else ""
-        summary = (
-            f"hang: rank {culprit_rank}{stuck} never reached {where_call}; {how}. "
-            f"Rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} "
-            f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
-        )
-        details.update(missing_ranks=culprits, culprit_issued=rank.snapshot.issued_on(pg) if rank else None)
-        return [Verdict(kind, "error", summary, culprit_rank, location, details, evidence)]
+        return [_missing_rank_hang(state, absent, pg, waiters, where_call, stalled, details, evidence)]
 
     # Everyone is inside the same collective with the same signature: the collective is stuck.
     if state.flight_recorder:
@@ -685,6 +601,132 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
     )
     return [Verdict("hang.comm", "error", summary, None, call.caller, details, evidence)]
+
+
+def _collectives_waited_in(
+    state: RunState,
+) -> tuple[dict[tuple[str, int], list[int]], dict[int, Collective]]:
+    """The collective each live rank is stuck in (per rank, the highest seq in flight), and the
+    ranks waiting in each (pg, seq)."""
+    waiting: dict[tuple[str, int], list[int]] = {}
+    calls: dict[int, Collective] = {}
+    for one in state.ranks.values():
+        if one.exited or not one.snapshot.inflight:
+            continue
+        c = max(one.snapshot.inflight, key=lambda c: c.seq or 0)
+        calls[one.rank] = c
+        waiting.setdefault((c.pg, c.seq or 0), []).append(one.rank)
+    return waiting, calls
+
+
+def _hang_outside_collectives(
+    state: RunState, expected: list[int], stalled: float, base: dict[str, Any], evidence: list[str]
+) -> Verdict:
+    """No rank is inside a collective: stuck in start-up, in a DataLoader, or somewhere unknown."""
+    startup = _startup_hang(state, expected, base, evidence)
+    if startup is not None:
+        return startup
+    loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]
+    if loaders:
+        location, how = _where(state.ranks[loaders[0]])
+        return Verdict(
+            "hang.dataloader",
+            "error",
+            f"no progress for {stalled:.0f} s: rank {_join(loaders)} stuck loading data; {how}",
+            loaders[0],
+            location,
+            {**base, "ranks": loaders},
+            evidence,
+        )
+    return Verdict(
+        "hang.unknown",
+        "error",
+        f"no progress for {stalled:.0f} s and no rank is inside a collective; see each rank's stack",
+        None,
+        None,
+        base,
+        evidence,
+    )
+
+
+def _frozen_hang(
+    state: RunState,
+    frozen: list[int],
+    waiters: list[int],
+    calls: dict[int, Collective],
+    where_call: str,
+    details: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """The first frozen rank is the culprit: inside a collective (hang.comm) or short of it."""
+    culprit = frozen[0]
+    others = sorted(r for r in waiters if r not in frozen)
+    ages = {r: round(state.now - (state.ranks[r].snapshot.heartbeat or 0.0), 1) for r in frozen}
+    location, how = _where(state.ranks[culprit])
+    inside = culprit in calls
+    if inside:
+        location = location if state.ranks[culprit].stack else calls[culprit].caller
+    summary = (
+        f"hang: rank {_join(frozen)} stopped responding (heartbeat {max(ages.values()):.0f} s old) "
+        + (f"inside {calls[culprit].op} #{calls[culprit].seq}" if inside else f"({how})")
+        + f": its process is frozen (stopped, traced, or stuck in native code); "
+        f"rank{'s' if len(others) > 1 else ''} {_join(others)} wait{'' if len(others) > 1 else 's'} "
+        f"in {where_call}"
+    )
+    details.update(frozen_ranks=frozen, heartbeat_age=ages)
+    kind = "hang.comm" if inside else "hang.missing_rank"
+    return Verdict(kind, "error", summary, culprit, location, details, evidence)
+
+
+def _missing_rank_hang(
+    state: RunState,
+    absent: list[int],
+    pg: str,
+    waiters: list[int],
+    where_call: str,
+    stalled: float,
+    details: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """Some ranks never reached the collective the others wait in: name one of them and where it is."""
+    culprits = absent
+    loaders = [r for r in culprits if r in state.ranks and _in_dataloader(state.ranks[r])]
+    culprit_rank = _pick_culprit(state, culprits, ("skip",))
+    rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
+    location, how = _absent_rank_position(state, culprit_rank, rank)
+    fault = _fault_of(rank, ("skip",)) if rank else None
+    if fault:
+        evidence.append(
+            f"injected fault {fault.get('fault')!r} fired on rank {culprit_rank} at {fault.get('caller')}"
+        )
+    kind = "hang.dataloader" if loaders else "hang.missing_rank"
+    stuck = " is stuck in its DataLoader and" if loaders else ""
+    summary = (
+        f"hang: rank {culprit_rank}{stuck} never reached {where_call}; {how}. "
+        f"Rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} "
+        f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
+    )
+    details.update(missing_ranks=culprits, culprit_issued=rank.snapshot.issued_on(pg) if rank else None)
+    return Verdict(kind, "error", summary, culprit_rank, location, details, evidence)
+
+
+def _absent_rank_position(
+    state: RunState, culprit_rank: int | None, rank: RankState | None
+) -> tuple[str | None, str]:
+    """Where the rank that never reached the collective is (a code location) and how it got there."""
+    if rank is None:
+        return _never_joined(state, culprit_rank) if culprit_rank is not None else (None, "")
+    if rank.exited:
+        fault = _fault_of(rank, ("skip",))
+        location: str | None = (
+            (fault or {}).get("caller") or _exception_location(rank.exception, rank) or _where(rank)[0]
+        )
+        return location, f"it {describe_exit(rank_exit(rank, state))}"
+    location, how = _where(rank)
+    fault = _fault_of(rank, ("skip",))
+    if fault and not (rank.stack or {}).get("top_user_frame"):
+        location = fault.get("caller") or location
+    return location, how
 
 
 def _startup_hang(

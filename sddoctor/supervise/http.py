@@ -296,90 +296,97 @@ def _redacted_state(state: dict[str, Any]) -> dict[str, Any]:
     return {"schema": STATE_SCHEMA, **state}
 
 
-def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive
-        server_version = "sddoctor"
-        sys_version = ""
-        timeout = IDLE_TIMEOUT  # every read and write of the socket
-        error_content_type = "text/plain; charset=utf-8"
-        error_message_format = "%(code)d %(message)s: %(explain)s\n"
+class _Handler(BaseHTTPRequestHandler):
+    """One request to the endpoint (`_make_handler` binds the class to its `StateServer`)."""
 
-        def setup(self) -> None:
-            super().setup()
-            self.rfile = _Budget(self.rfile, MAX_REQUEST_BYTES)  # type: ignore[assignment]
+    endpoint: StateServer
+    protocol_version = "HTTP/1.0"  # one request per connection: no idle keep-alive
+    server_version = "sddoctor"
+    sys_version = ""
+    timeout = IDLE_TIMEOUT  # every read and write of the socket
+    error_content_type = "text/plain; charset=utf-8"
+    error_message_format = "%(code)d %(message)s: %(explain)s\n"
 
-        def parse_request(self) -> bool:
-            if not super().parse_request():
-                return False
-            if self.rfile.exhausted:  # type: ignore[attr-defined]
-                self.send_error(
-                    431, "Request too large", f"request line and headers over {MAX_REQUEST_BYTES} bytes"
-                )
-                return False
-            if self.headers.get("Transfer-Encoding") or (self.headers.get("Content-Length") or "0") != "0":
-                self.send_error(413, "No body accepted", "this endpoint serves GET requests only")
-                return False
-            return True
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _Budget(self.rfile, MAX_REQUEST_BYTES)  # type: ignore[assignment]
 
-        def do_GET(self) -> None:  # noqa: N802 - stdlib name
-            self._serve(head=False)
-
-        def do_HEAD(self) -> None:  # noqa: N802 - stdlib name
-            self._serve(head=True)
-
-        def _authorized(self) -> bool:
-            if server.token is None:
-                if _allowed_host(self.headers.get("Host")):
-                    return True
-                self._send(403, "text/plain", b"forbidden: Host is not this machine's loopback\n", False)
-                return False
-            given = self.headers.get("Authorization") or ""
-            scheme, _, value = given.partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(
-                value.strip().encode(), server.token.encode()
-            ):
-                return True
-            self._send(
-                401,
-                "text/plain",
-                b"unauthorized: send 'Authorization: Bearer <token>' (the token is in RUN_DIR/endpoint.token)\n",
-                False,
-                extra={"WWW-Authenticate": 'Bearer realm="sddoctor"'},
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.rfile.exhausted:  # type: ignore[attr-defined]
+            self.send_error(
+                431, "Request too large", f"request line and headers over {MAX_REQUEST_BYTES} bytes"
             )
             return False
+        if self.headers.get("Transfer-Encoding") or (self.headers.get("Content-Length") or "0") != "0":
+            self.send_error(413, "No body accepted", "this endpoint serves GET requests only")
+            return False
+        return True
 
-        def _serve(self, head: bool) -> None:
-            if not self._authorized():
-                return
-            path = self.path.split("?", 1)[0].rstrip("/")
-            if path == "/api/state":
-                body = json.dumps(_redacted_state(server.provider()), default=str).encode()
-                self._send(200, "application/json", body, head)
-            elif path == "/metrics" and server.metrics is not None:
-                body, ctype = server.metrics(self.headers.get("Accept") or "")
-                self._send(200, ctype, body, head)
-            elif path == "":
-                self._send(200, "text/plain", b"sddoctor run: GET /api/state or /metrics\n", head)
-            else:
-                self._send(404, "text/plain", b"not found: try /api/state or /metrics\n", head)
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        self._serve(head=False)
 
-        def _send(
-            self, code: int, ctype: str, body: bytes, head: bool, extra: dict[str, str] | None = None
-        ) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            for key, value in (extra or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            if not head:
-                self.wfile.write(body)
+    def do_HEAD(self) -> None:  # noqa: N802 - stdlib name
+        self._serve(head=True)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-            pass  # the job's terminal is not ours to fill
+    def _authorized(self) -> bool:
+        if self.endpoint.token is None:
+            if _allowed_host(self.headers.get("Host")):
+                return True
+            self._send(403, "text/plain", b"forbidden: Host is not this machine's loopback\n", False)
+            return False
+        given = self.headers.get("Authorization") or ""
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode(), self.endpoint.token.encode()
+        ):
+            return True
+        self._send(
+            401,
+            "text/plain",
+            b"unauthorized: send 'Authorization: Bearer <token>' (the token is in RUN_DIR/endpoint.token)\n",
+            False,
+            extra={"WWW-Authenticate": 'Bearer realm="sddoctor"'},
+        )
+        return False
+
+    def _serve(self, head: bool) -> None:
+        if not self._authorized():
+            return
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/api/state":
+            body = json.dumps(_redacted_state(self.endpoint.provider()), default=str).encode()
+            self._send(200, "application/json", body, head)
+        elif path == "/metrics" and self.endpoint.metrics is not None:
+            body, ctype = self.endpoint.metrics(self.headers.get("Accept") or "")
+            self._send(200, ctype, body, head)
+        elif path == "":
+            self._send(200, "text/plain", b"sddoctor run: GET /api/state or /metrics\n", head)
+        else:
+            self._send(404, "text/plain", b"not found: try /api/state or /metrics\n", head)
+
+    def _send(
+        self, code: int, ctype: str, body: bytes, head: bool, extra: dict[str, str] | None = None
+    ) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for key, value in (extra or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass  # the job's terminal is not ours to fill
+
+
+def _make_handler(server: StateServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        endpoint = server
 
     return Handler
 
