@@ -113,3 +113,13 @@ class FixedHost:
 
     def processes(self, pids: list[int]) -> dict[int, ProcessInfo]:
         return {pid: self._processes[pid] for pid in pids if pid in self._processes}
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited. A zombie (exited, not yet reaped by its
+    parent, e.g. a rank whose supervisor was killed, waiting for init to reap it) counts as gone,
+    where psutil.pid_exists would still count it."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import psutil
-
+from sddoctor.gpu.host import pid_running
 from sddoctor.ranks.status import RankInputs, RankStatus, RateTracker, derive
 from sddoctor.telemetry import EventTail, RankSnapshot, RunDir, StepRecord, read_json, read_state, registry
 from sddoctor.telemetry.layout import RUN_BASES
@@ -54,7 +53,7 @@ class RankFeed(Protocol):
 
 
 def _local_pid_alive(pid: int) -> bool:
-    return psutil.pid_exists(pid)
+    return pid_running(pid)
 
 
 class RunDirFeed:

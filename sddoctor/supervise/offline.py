@@ -6,8 +6,7 @@ import socket
 import time
 from typing import Any
 
-import psutil
-
+from sddoctor.gpu.host import pid_running
 from sddoctor.supervise.diagnose import diagnose, merge_verdicts
 from sddoctor.supervise.facts import hang_verdicts, read_facts, settle_exits
 from sddoctor.supervise.lifecycle import lease_status
@@ -32,7 +31,7 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
             if t is not None:
                 last_progress = max(last_progress or 0.0, t)
         if rank.exit is None and rank.pid and rank.host == host:
-            rank.alive = psutil.pid_exists(rank.pid)
+            rank.alive = pid_running(rank.pid)
             if not rank.alive:
                 rank.exit = {
                     "t": snapshot.alive_at,
