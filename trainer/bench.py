@@ -526,11 +526,13 @@ def measure_trainer_run(run_dir: Path, warmup: int, total: int) -> dict[str, Any
                 if event.get("data_wait") is not None:
                     has_wait = True
                     data_wait += float(event["data_wait"])
-        peaks = [e.get("mem_peak") for e in steps.values() if e.get("mem_peak")]
+        peaks = [peak for e in steps.values() if (peak := e.get("mem_peak"))]
         if peaks:
             mem_peak = max(mem_peak or 0, max(peaks))
         if rank == 0:
             t0, t1 = steps[warmup]["t"], steps[total]["t"]
+    if t0 is None or t1 is None:
+        raise RuntimeError(f"rank 0 reported no steps in {run_dir}")
     seconds = max(float(t1) - float(t0), 1e-9)
     fallbacks = sum(len(rv.of_kind("fallback")) for rv in view.ranks.values())
     return {

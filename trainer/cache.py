@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -67,6 +67,9 @@ from trainer.data import (
     default_cache_root,
     flip_decision,
 )
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL
 
 log = logging.getLogger("trainer.cache")
 
@@ -301,7 +304,7 @@ def _encode_images(
     writer: _ShardWriter,
     dataset: AugmentedDataset,
     indices: Sequence[int],
-    vae: torch.nn.Module,
+    vae: AutoencoderKL,
     device: torch.device,
     dtype: torch.dtype,
     batch_size: int,
@@ -330,7 +333,7 @@ def _encode_group(
     dataset: AugmentedDataset,
     indices: Sequence[int],
     suffix: str,
-    vae: torch.nn.Module,
+    vae: AutoencoderKL,
     device: torch.device,
     dtype: torch.dtype,
     batch_size: int,
@@ -440,7 +443,8 @@ class CachedDataset(Dataset):
         n_items, n_captions = self.manifest["num_items"], len(self.manifest["captions"])
         image_loc = np.full((n_items, 2), -1, dtype=np.int64)
         text_loc = np.full((n_captions, 2), -1, dtype=np.int64)
-        images, texts = [], []
+        images: list[dict[str, np.ndarray]] = []
+        texts: list[dict[str, np.ndarray]] = []
         for name in self.manifest["image_shards"]:
             for arrays in _groups(self.path / name):
                 image_loc[arrays["index"], 0] = len(images)
@@ -538,7 +542,7 @@ def _complete(entry: Path) -> bool:
 
 def build_cache(
     dataset: AugmentedDataset,
-    vae: torch.nn.Module,
+    vae: AutoencoderKL,
     text_encoder: torch.nn.Module,
     tokenizer: Any,
     cfg: DataConfig,
