@@ -281,6 +281,13 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", default="", help="also write the JSON to FILE (and the table to FILE.txt)")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the options cannot mean together (parser.error: exit 2), fill in the preset's
+    defaults and build `args.case_list`."""
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     if args.warmup < 1:
@@ -302,7 +309,6 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
     for item in args.overrides:
         if "=" not in item:
             parser.error(f"--set expects KEY=VALUE, got {item!r}")
-    return args
 
 
 def build_cases(args: argparse.Namespace) -> list[Case]:
