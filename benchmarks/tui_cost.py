@@ -159,6 +159,7 @@ def _headless_app_share(
     from sddoctor.gpu.source import NvmlSource
     from sddoctor.ranks.feeds import RunDirFeed
     from sddoctor.tui.app import MonitorApp
+    from sddoctor.tui.rowtable import RowTable
 
     result: dict[str, float] = {}
     tmp = tempfile.TemporaryDirectory(prefix="sddoctor-bench-")
@@ -183,7 +184,7 @@ def _headless_app_share(
             wall = time.perf_counter() - wall0
             result["cpu_percent_of_core"] = 100.0 * (time.process_time() - cpu0) / wall
             result["frames"] = app.gpu_updates - n0
-            result["rank_rows"] = app.query_one("#ranks").row_count
+            result["rank_rows"] = app.query_one("#ranks", RowTable).row_count
 
     try:
         asyncio.run(main())

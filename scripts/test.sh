@@ -12,7 +12,7 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
         echo "scripts/test.sh: could not install chromium; the browser tests will say they were skipped" >&2
 fi
 "$PY" -m ruff check .
-"$PY" -m mypy            # sddoctor/ (pyproject.toml [tool.mypy]: strict on telemetry and the diagnosis)
+"$PY" -m mypy            # sddoctor/, trainer/, benchmarks/ (pyproject.toml [tool.mypy]: strict on telemetry and the diagnosis)
 lint-imports             # the import rules of docs/architecture.md (pyproject.toml [tool.importlinter])
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.

@@ -1,6 +1,7 @@
-"""Latent and text-embedding cache: contents, reuse, invalidation, sharding over 2 gloo ranks.
+"""Latent and text-embedding cache: contents, reuse, invalidation, sharding over 2 gloo ranks (one
+cache folder, or one per rank).
 
-The 2-rank test runs this file as a script in two real processes (see `_rank_main`).
+The 2-rank tests run this file as a script in two real processes (see `_run_two_ranks`).
 """
 
 from __future__ import annotations
@@ -294,12 +295,35 @@ def _rank_main(rank: int, world_size: int, port: int, root: Path) -> None:
     dist.destroy_process_group()
 
 
-def test_cache_sharded_across_two_gloo_ranks_then_reused(tmp_path: Path) -> None:
-    write_folder(tmp_path / "data", 6)
+def _unshared_rank_main(rank: int, world_size: int, port: int, root: Path) -> None:
+    """One rank of the unshared-folder test: each rank caches into a folder of its own."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    tokenizer, vae, text_encoder = tiny_models(root / f"tok{rank}")
+    calls = EncoderCalls(vae, text_encoder)
+    cfg = DataConfig(source=str(root / "data"), resolution=RESOLUTION, cache_dir=str(root / f"cache{rank}"))
+    first = build_cache(build_dataset(cfg, verbose=False), vae, text_encoder, tokenizer, cfg, "cpu", rank, 2)
+    result: dict = {"first": {**vars(first.stats), "vae_calls": calls.vae, "text_calls": calls.text}}
+    ds = build_dataset(cfg, verbose=False)
+    result["matches"] = all(
+        torch.allclose(first[i]["latent_mean"], encode_directly(vae, ds[i]["pixel_values"])[0], atol=1e-5)
+        for i in range(len(ds))
+    )
+    calls.vae = calls.text = 0
+    second = build_cache(build_dataset(cfg, verbose=False), vae, text_encoder, tokenizer, cfg, "cpu", rank, 2)
+    result["second"] = {**vars(second.stats), "calls": calls.total()}
+    (root / f"result{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _run_two_ranks(root: Path, mode: str) -> list[dict]:
+    """This file as a script in two real processes (gloo); each rank's result.json."""
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(rank), "2", str(port), str(tmp_path)],
+            [sys.executable, __file__, mode, str(rank), "2", str(port), str(root)],
             env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -317,7 +341,12 @@ def test_cache_sharded_across_two_gloo_ranks_then_reused(tmp_path: Path) -> None
                 proc.kill()
                 proc.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
-    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    return [json.loads((root / f"result{r}.json").read_text()) for r in range(2)]
+
+
+def test_cache_sharded_across_two_gloo_ranks_then_reused(tmp_path: Path) -> None:
+    write_folder(tmp_path / "data", 6)
+    results = _run_two_ranks(tmp_path, "shared")
     for rank, result in enumerate(results):
         first = result["first"]
         # 6 images and 3 distinct captions, split round-robin over 2 ranks
@@ -342,5 +371,28 @@ def test_cache_sharded_across_two_gloo_ranks_then_reused(tmp_path: Path) -> None
     assert manifest["num_items"] == 6 and sorted(manifest["captions"]) == ["a blue one", "green 3", "red"]
 
 
+@pytest.mark.slow  # 25 s on 2 loaded cores: two processes import torch, diffusers, transformers
+def test_cache_folder_not_shared_each_rank_encodes_the_shards_it_cannot_see(tmp_path: Path) -> None:
+    write_folder(tmp_path / "data", 6)
+    results = _run_two_ranks(tmp_path, "unshared")
+    for rank, result in enumerate(results):
+        first = result["first"]
+        # its own shard, then the other rank's (written into the other rank's folder): everything
+        assert not first["hit"] and first["encoded_images"] == 6 and first["encoded_captions"] == 3
+        assert first["vae_calls"] == 2 and first["text_calls"] == 2  # one batch per shard
+        assert Path(first["path"]).parent == tmp_path / f"cache{rank}"
+        assert result["matches"], f"rank {rank} encoded the shard it could not see wrongly"
+        assert result["second"]["hit"] and result["second"]["calls"] == 0
+        entry = Path(first["path"])
+        assert sorted(p.name for p in entry.iterdir() if p.is_dir()) == [
+            "captions-00000-of-00002",
+            "captions-00001-of-00002",
+            "images-00000-of-00002",
+            "images-00001-of-00002",
+        ]
+    assert results[0]["first"]["key"] == results[1]["first"]["key"]
+
+
 if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    main = {"shared": _rank_main, "unshared": _unshared_rank_main}[sys.argv[1]]
+    main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))

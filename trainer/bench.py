@@ -281,6 +281,13 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", default="", help="also write the JSON to FILE (and the table to FILE.txt)")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the options cannot mean together (parser.error: exit 2), fill in the preset's
+    defaults and build `args.case_list`."""
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     if args.warmup < 1:
@@ -302,7 +309,6 @@ exit codes: 0 every case measured, 1 some case failed (marked in the table), 2 b
     for item in args.overrides:
         if "=" not in item:
             parser.error(f"--set expects KEY=VALUE, got {item!r}")
-    return args
 
 
 def build_cases(args: argparse.Namespace) -> list[Case]:
@@ -526,11 +532,13 @@ def measure_trainer_run(run_dir: Path, warmup: int, total: int) -> dict[str, Any
                 if event.get("data_wait") is not None:
                     has_wait = True
                     data_wait += float(event["data_wait"])
-        peaks = [e.get("mem_peak") for e in steps.values() if e.get("mem_peak")]
+        peaks = [peak for e in steps.values() if (peak := e.get("mem_peak"))]
         if peaks:
             mem_peak = max(mem_peak or 0, max(peaks))
         if rank == 0:
             t0, t1 = steps[warmup]["t"], steps[total]["t"]
+    if t0 is None or t1 is None:
+        raise RuntimeError(f"rank 0 reported no steps in {run_dir}")
     seconds = max(float(t1) - float(t0), 1e-9)
     fallbacks = sum(len(rv.of_kind("fallback")) for rv in view.ranks.values())
     return {

@@ -168,7 +168,7 @@ class BucketBatchSampler(EpochPosition, Sampler[list[SampleKey]]):
     def _epoch_batches(self) -> list[list[int]]:
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
-        batches = []
+        batches: list[list[int]] = []
         for members in self.groups:
             order = (
                 [members[i] for i in torch.randperm(len(members), generator=g)] if self.shuffle else members

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from trainer.optim import EMA, build_lr_scheduler, build_training_optimizer, che
 from trainer.process import Dist, gather
 from trainer.step import OptimizerStep, TrainStep
 from trainer.vae_fit import fit_vae
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
 
 Log = Callable[[str], None]
 
@@ -204,7 +207,7 @@ def build_train_step(
 
 
 def fit_new_vae(
-    cfg: Config, d: Dist, vae: torch.nn.Module, dataset: Any, wrap: Callable[[torch.nn.Module], Any], log: Log
+    cfg: Config, d: Dist, vae: AutoencoderKL, dataset: Any, wrap: Callable[[torch.nn.Module], Any], log: Log
 ) -> None:
     """Fit a VAE built from scratch on the training images (data-parallel; trainer/vae_fit.py)."""
     fit_vae(
@@ -461,7 +464,7 @@ def build_guard(
     world_size: int,
     warn: Log,
     model: torch.nn.Module,
-    unet: torch.nn.Module,
+    unet: UNet2DConditionModel,
     wrap: Any,
     optimizer: torch.optim.Optimizer,
     extra_state: list[Any],

@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -67,6 +67,9 @@ from trainer.data import (
     default_cache_root,
     flip_decision,
 )
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL
 
 log = logging.getLogger("trainer.cache")
 
@@ -301,7 +304,7 @@ def _encode_images(
     writer: _ShardWriter,
     dataset: AugmentedDataset,
     indices: Sequence[int],
-    vae: torch.nn.Module,
+    vae: AutoencoderKL,
     device: torch.device,
     dtype: torch.dtype,
     batch_size: int,
@@ -330,7 +333,7 @@ def _encode_group(
     dataset: AugmentedDataset,
     indices: Sequence[int],
     suffix: str,
-    vae: torch.nn.Module,
+    vae: AutoencoderKL,
     device: torch.device,
     dtype: torch.dtype,
     batch_size: int,
@@ -440,7 +443,8 @@ class CachedDataset(Dataset):
         n_items, n_captions = self.manifest["num_items"], len(self.manifest["captions"])
         image_loc = np.full((n_items, 2), -1, dtype=np.int64)
         text_loc = np.full((n_captions, 2), -1, dtype=np.int64)
-        images, texts = [], []
+        images: list[dict[str, np.ndarray]] = []
+        texts: list[dict[str, np.ndarray]] = []
         for name in self.manifest["image_shards"]:
             for arrays in _groups(self.path / name):
                 image_loc[arrays["index"], 0] = len(images)
@@ -536,9 +540,22 @@ def _complete(entry: Path) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class _Encoding:
+    """What encoding a cache entry's shards takes: the models, and where and how they run."""
+
+    vae: AutoencoderKL
+    text_encoder: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    batch_size: int
+    num_workers: int
+
+
 def build_cache(
     dataset: AugmentedDataset,
-    vae: torch.nn.Module,
+    vae: AutoencoderKL,
     text_encoder: torch.nn.Module,
     tokenizer: Any,
     cfg: DataConfig,
@@ -558,11 +575,35 @@ def build_cache(
     device = torch.device(device)
     key, parts = cache_key(dataset, vae, text_encoder, tokenizer, dtype)
     entry = cache_root(cfg) / key
+    hit = _agreed_hit(entry, key, device)
+    captions = sorted(set(dataset.captions()))
+    stats = CacheStats(key=key, path=str(entry), hit=hit)
+    if not hit:
+        encoding = _Encoding(vae, text_encoder, tokenizer, device, dtype, batch_size, cfg.num_workers)
+        entry.mkdir(parents=True, exist_ok=True)
+        _encode_missing_shards(entry, dataset, captions, encoding, rank, world_size, stats)
+        if not (entry / "manifest.json").is_file():
+            _write_manifest(entry, key, parts, dataset, captions, encoding, world_size)
+    stats.load_errors.extend(_recorded_load_errors(entry))
+    stats.seconds = time.monotonic() - start
+    if rank == 0:
+        if stats.hit:
+            log.info("using cached latents and text embeddings from %s", entry)
+        else:
+            log.info("cache written to %s in %.1f s", entry, stats.seconds)
+    return CachedDataset(entry, dataset, stats)
+
+
+def _agreed_hit(entry: Path, key: str, device: torch.device) -> bool:
+    """Whether every rank finds the entry complete; DataError when the ranks' keys differ, or when
+    it must be written and some rank cannot write it.
+
+    Every rank must take the same branch (the miss path has barriers), so hit, writability and
+    the key are agreed on first. The key check catches ranks that see different data or
+    weights, which would otherwise mix incompatible shards.
+    """
     hit_here = _complete(entry)
     write_problem = "" if hit_here else _write_problem(entry)
-    # Every rank must take the same branch (the miss path has barriers), so hit, writability and
-    # the key are agreed on first. The key check catches ranks that see different data or
-    # weights, which would otherwise mix incompatible shards.
     key_int = int(key[:15], 16)
     hit_all, key_min, neg_key_max, writable_all = _all_reduce_min(
         [int(hit_here), key_int, -key_int, int(not write_problem)], device
@@ -578,90 +619,134 @@ def build_cache(
             f"cannot write the latent cache at {where}; set data.cache_dir (or {CACHE_DIR_ENV}) to a "
             "writable folder, or turn the cache off with --set data.cache=false"
         )
-    captions = sorted(set(dataset.captions()))
-    stats = CacheStats(key=key, path=str(entry), hit=bool(hit_all))
-    if not hit_all:
-        entry.mkdir(parents=True, exist_ok=True)
-        with_flip = dataset.cfg.random_flip
-        n = len(dataset)
-        image_shards = [_shard_name("images", r, world_size) for r in range(world_size)]
-        caption_shards = [_shard_name("captions", r, world_size) for r in range(world_size)]
+    return bool(hit_all)
 
-        def encode_shard(r: int) -> None:
-            if not (entry / image_shards[r]).is_dir():
-                indices = range(r, n, world_size)
-                writer = _ShardWriter(entry, image_shards[r], len(indices))
-                try:
-                    errors = _encode_images(
-                        writer, dataset, indices, vae, device, dtype, batch_size, cfg.num_workers, with_flip
-                    )
-                    writer.commit({"load_errors": errors})
-                finally:
-                    writer.abort()
-                stats.encoded_images += len(indices)
-            if not (entry / caption_shards[r]).is_dir():
-                ids = list(range(r, len(captions), world_size))
-                writer = _ShardWriter(entry, caption_shards[r], len(ids))
-                try:
-                    _encode_captions(
-                        writer, captions, ids, text_encoder, tokenizer, device, dtype, batch_size
-                    )
-                    writer.commit()
-                finally:
-                    writer.abort()
-                stats.encoded_captions += len(ids)
 
-        if rank == 0:
-            log.info(
-                "encoding %d images%s and %d captions into %s (%d ranks)",
-                n,
-                " (and their flips)" if with_flip else "",
-                len(captions),
-                entry,
-                world_size,
+def _encode_missing_shards(
+    entry: Path,
+    dataset: AugmentedDataset,
+    captions: list[str],
+    encoding: _Encoding,
+    rank: int,
+    world_size: int,
+    stats: CacheStats,
+) -> None:
+    """This rank's shard, then, after all ranks have written theirs, any shard it cannot see."""
+    if rank == 0:
+        log.info(
+            "encoding %d images%s and %d captions into %s (%d ranks)",
+            len(dataset),
+            " (and their flips)" if dataset.cfg.random_flip else "",
+            len(captions),
+            entry,
+            world_size,
+        )
+    _encode_shard(entry, rank, world_size, dataset, captions, encoding, stats)
+    _barrier(encoding.device)
+    for r in range(world_size):  # shards this rank cannot see: cache folder not shared
+        if r != rank and not (
+            (entry / _shard_name("images", r, world_size)).is_dir()
+            and (entry / _shard_name("captions", r, world_size)).is_dir()
+        ):
+            log.warning("rank %d cannot see cache shard %d in %s; encoding it locally", rank, r, entry)
+            _encode_shard(entry, r, world_size, dataset, captions, encoding, stats)
+
+
+def _encode_shard(
+    entry: Path,
+    shard: int,
+    world_size: int,
+    dataset: AugmentedDataset,
+    captions: list[str],
+    encoding: _Encoding,
+    stats: CacheStats,
+) -> None:
+    """Encode the images and the captions of shard `shard` (items shard, shard + world_size, ...),
+    each unless its folder is already there."""
+    image_shard = _shard_name("images", shard, world_size)
+    if not (entry / image_shard).is_dir():
+        indices = range(shard, len(dataset), world_size)
+        writer = _ShardWriter(entry, image_shard, len(indices))
+        try:
+            errors = _encode_images(
+                writer,
+                dataset,
+                indices,
+                encoding.vae,
+                encoding.device,
+                encoding.dtype,
+                encoding.batch_size,
+                encoding.num_workers,
+                dataset.cfg.random_flip,
             )
-        encode_shard(rank)
-        _barrier(device)
-        for r in range(world_size):  # shards this rank cannot see: cache folder not shared
-            if r != rank and not (
-                (entry / image_shards[r]).is_dir() and (entry / caption_shards[r]).is_dir()
-            ):
-                log.warning("rank %d cannot see cache shard %d in %s; encoding it locally", rank, r, entry)
-                encode_shard(r)
-        if not (entry / "manifest.json").is_file():
-            sample = np.load(sorted((entry / image_shards[0]).glob("mean.*npy"))[0], mmap_mode="r")
-            manifest = {
-                "format": CACHE_FORMAT,
-                "key": key,
-                "parts": parts,
-                "source": dataset.cfg.source,
-                "data": asdict(dataset.cfg),
-                "seed": dataset.seed,
-                "num_items": n,
-                "captions": captions,
-                "image_shards": image_shards,
-                "caption_shards": caption_shards,
-                "latent_shape": list(sample.shape[1:]),
-                "dtype": _dtype_name(dtype),
-                "flips": with_flip,
-                "vae": type(vae).__name__,
-                "text_encoder": type(text_encoder).__name__,
-                "created": time.time(),
-                "torch": torch.__version__,
-            }
-            _write_json_atomic(entry / "manifest.json", manifest)
+            writer.commit({"load_errors": errors})
+        finally:
+            writer.abort()
+        stats.encoded_images += len(indices)
+    caption_shard = _shard_name("captions", shard, world_size)
+    if not (entry / caption_shard).is_dir():
+        ids = list(range(shard, len(captions), world_size))
+        writer = _ShardWriter(entry, caption_shard, len(ids))
+        try:
+            _encode_captions(
+                writer,
+                captions,
+                ids,
+                encoding.text_encoder,
+                encoding.tokenizer,
+                encoding.device,
+                encoding.dtype,
+                encoding.batch_size,
+            )
+            writer.commit()
+        finally:
+            writer.abort()
+        stats.encoded_captions += len(ids)
+
+
+def _write_manifest(
+    entry: Path,
+    key: str,
+    parts: dict[str, str],
+    dataset: AugmentedDataset,
+    captions: list[str],
+    encoding: _Encoding,
+    world_size: int,
+) -> None:
+    """manifest.json, written last: its presence (with every shard) marks the entry complete."""
+    image_shards = [_shard_name("images", r, world_size) for r in range(world_size)]
+    sample = np.load(sorted((entry / image_shards[0]).glob("mean.*npy"))[0], mmap_mode="r")
+    manifest = {
+        "format": CACHE_FORMAT,
+        "key": key,
+        "parts": parts,
+        "source": dataset.cfg.source,
+        "data": asdict(dataset.cfg),
+        "seed": dataset.seed,
+        "num_items": len(dataset),
+        "captions": captions,
+        "image_shards": image_shards,
+        "caption_shards": [_shard_name("captions", r, world_size) for r in range(world_size)],
+        "latent_shape": list(sample.shape[1:]),
+        "dtype": _dtype_name(encoding.dtype),
+        "flips": dataset.cfg.random_flip,
+        "vae": type(encoding.vae).__name__,
+        "text_encoder": type(encoding.text_encoder).__name__,
+        "created": time.time(),
+        "torch": torch.__version__,
+    }
+    _write_json_atomic(entry / "manifest.json", manifest)
+
+
+def _recorded_load_errors(entry: Path) -> list[str]:
+    """The images that failed to load while the entry's image shards were encoded, by any rank."""
     manifest = json.loads((entry / "manifest.json").read_text())
+    errors: list[str] = []
     for name in manifest["image_shards"]:
         errors_file = entry / name / "errors.json"
         if errors_file.is_file():
-            stats.load_errors.extend(json.loads(errors_file.read_text()).get("load_errors", []))
-    stats.seconds = time.monotonic() - start
-    if rank == 0:
-        if stats.hit:
-            log.info("using cached latents and text embeddings from %s", entry)
-        else:
-            log.info("cache written to %s in %.1f s", entry, stats.seconds)
-    return CachedDataset(entry, dataset, stats)
+            errors.extend(json.loads(errors_file.read_text()).get("load_errors", []))
+    return errors
 
 
 __all__ = [

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -97,7 +97,9 @@ def find_latest(root: Path) -> Path | None:
 def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
     """Every RNG of this process as tensors and numbers (no numpy objects, no pickles)."""
     version, mt, gauss = random.getstate()
-    algorithm, key, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple)  # the legacy global generator is always MT19937: a tuple
+    algorithm, key, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
         "numpy": {
@@ -339,7 +341,7 @@ def inspect_checkpoint(path: Path, rank: int, world_size: int, reshard: bool) ->
     return Verdict(OK, step=step, saved_ranks=saved_ranks, per_rank=per_rank)
 
 
-def _count(value: Any, least: int) -> bool:
+def _count(value: Any, least: int) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
@@ -490,7 +492,11 @@ def convert_old_checkpoint(path: Path) -> Path:
 
 
 def _load_weights_only(path: Path) -> dict[str, Any]:
-    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
     core = getattr(np, "_core", None) or np.core
     allowed.append(core.multiarray._reconstruct)
     try:

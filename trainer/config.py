@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -304,11 +305,11 @@ def build_config(
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    try:
-        import tomllib  # Python 3.11+
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
         try:
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib
         except ModuleNotFoundError:
             raise ConfigError(
                 "--config needs Python 3.11+ (tomllib) or `pip install tomli` on Python 3.10; "

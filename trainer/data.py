@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
@@ -109,7 +109,9 @@ class DataConfig:
 class SampleKey(NamedTuple):
     """What the sampler hands the dataset: which item, and for which epoch's augmentation."""
 
-    index: int
+    # Hides tuple.index on purpose: `key.index` is how callers read it (mypy flags any field that
+    # shares a tuple method's name).
+    index: int  # type: ignore[assignment]
     epoch: int
 
 
@@ -155,7 +157,7 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
 
 
-def _key(key: int | SampleKey | Sequence[int], default_epoch: int) -> tuple[int, int]:
+def _key(key: int | SampleKey | tuple[int, int] | list[int], default_epoch: int) -> tuple[int, int]:
     if isinstance(key, (tuple, list)):
         return int(key[0]), int(key[1])
     return int(key), default_epoch

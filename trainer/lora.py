@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.models import ModelLoadError
+
+if TYPE_CHECKING:
+    from diffusers import UNet2DConditionModel
 
 #: diffusers' train_text_to_image_lora.py default: the attention projections of every transformer block.
 DEFAULT_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
@@ -65,7 +68,7 @@ def matching_modules(module: torch.nn.Module, targets: list[str]) -> dict[str, l
     return {t: [n for n in names if n == t or n.endswith("." + t)] for t in targets}
 
 
-def add_lora(unet: torch.nn.Module, cfg: LoraConfig) -> str | None:
+def add_lora(unet: UNet2DConditionModel, cfg: LoraConfig) -> str | None:
     """Freeze `unet` and add the adapters; returns the base UNet's fingerprint (None when LoRA is off).
 
     LoraError (exit 2) for a target that selects no layer or a layer peft cannot adapt, or
@@ -92,7 +95,8 @@ def add_lora(unet: torch.nn.Module, cfg: LoraConfig) -> str | None:
         unet.add_adapter(
             PeftLoraConfig(
                 r=cfg.rank,
-                lora_alpha=cfg.alpha or cfg.rank,
+                # peft annotates lora_alpha as int, yet only divides by it: a fractional alpha is valid
+                lora_alpha=cfg.alpha or cfg.rank,  # type: ignore[arg-type]
                 lora_dropout=cfg.dropout,
                 target_modules=list(cfg.target_modules),
                 init_lora_weights="gaussian",  # A random, B zero: the adapted UNet starts as the base
@@ -195,7 +199,7 @@ def diffusers_adapter(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def plain_unet(unet: torch.nn.Module, merge: bool) -> torch.nn.Module:
+def plain_unet(unet: UNet2DConditionModel, merge: bool) -> UNet2DConditionModel:
     """A UNet without peft layers: the frozen base weights, or with every adapter merged into them.
 
     Built on the meta device and filled from the tensors (no second random initialisation).

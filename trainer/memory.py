@@ -32,7 +32,7 @@ ops, which also handles bf16 moments and stochastic rounding.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -63,7 +63,7 @@ def stochastic_round_to_bf16(
     out.copy_(bits.view(torch.float32))  # exact: the lower bits are zero
 
 
-def chunk_slices(tensors: list[torch.Tensor], chunk_elements: int) -> Iterator[slice]:
+def chunk_slices(tensors: Sequence[torch.Tensor], chunk_elements: int) -> Iterator[slice]:
     """Consecutive slices of `tensors` of at most `chunk_elements` elements each (a tensor larger than
     that gets a slice of its own): the unit of work of the multi-tensor updates here, bounding their
     fp32 workspaces."""
@@ -99,7 +99,7 @@ class Float32Workspace:
         self._buffer: torch.Tensor | None = None
         self._staged: dict[tuple[int, ...], Staged] = {}
 
-    def views(self, like: list[torch.Tensor]) -> Staged:
+    def views(self, like: Sequence[torch.Tensor]) -> Staged:
         """Uninitialised fp32 tensors with the shapes and strides of `like` (cached by identity)."""
         key = tuple(id(t) for t in like)
         staged = self._staged.get(key)
@@ -123,7 +123,7 @@ class Float32Workspace:
         self._staged[key] = staged
         return staged
 
-    def copy(self, sources: list[torch.Tensor], like: list[torch.Tensor]) -> Staged:
+    def copy(self, sources: list[torch.Tensor], like: Sequence[torch.Tensor]) -> Staged:
         """fp32 copies of `sources`, laid out as `like` (stable tensors: the cache key; `sources`
         such as gradients may be new tensors every step)."""
         staged = self.views(like)
@@ -206,7 +206,7 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
             yield params[part]
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -20,9 +20,13 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # Any to mypy (pyproject.toml says why), yet the names say what each part is
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel
 
 PRESET_NAMES = ("tiny", "sd15", "sd2-base", "sd2")
 
@@ -151,9 +155,9 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class Models:
-    unet: torch.nn.Module
-    vae: torch.nn.Module
-    text_encoder: torch.nn.Module
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL
+    text_encoder: CLIPTextModel
     tokenizer: Any
     noise_scheduler: Any
     from_scratch: bool
@@ -184,19 +188,19 @@ def build_models(preset: str, path: str = "", prediction_type: str = "") -> Mode
     return models
 
 
-def build_unet(kwargs: dict[str, Any]) -> torch.nn.Module:
+def build_unet(kwargs: dict[str, Any]) -> UNet2DConditionModel:
     from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(**kwargs)
 
 
-def build_vae(kwargs: dict[str, Any]) -> torch.nn.Module:
+def build_vae(kwargs: dict[str, Any]) -> AutoencoderKL:
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(**kwargs)
 
 
-def build_text_encoder(kwargs: dict[str, Any], tokenizer: Any = None) -> torch.nn.Module:
+def build_text_encoder(kwargs: dict[str, Any], tokenizer: Any = None) -> CLIPTextModel:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     kwargs = dict(kwargs)
@@ -296,7 +300,7 @@ def load_models(path: str) -> Models:
         raise ModelLoadError(f"cannot load the model folder {path}: {exc}") from None
 
 
-def vae_scale_factor(vae: torch.nn.Module) -> int:
+def vae_scale_factor(vae: AutoencoderKL) -> int:
     """Pixels per latent along each side (8 for Stable Diffusion's VAE, 4 for the tiny preset's)."""
     return 2 ** (len(vae.config.block_out_channels) - 1)
 

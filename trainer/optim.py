@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any
 
 import torch
 
@@ -49,13 +50,13 @@ def build_training_optimizer(
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
         )
     if bf16_weights or cfg.state_dtype == "bf16":
         return MixedPrecisionAdamW(
             params,
             lr=cfg.lr,
-            betas=tuple(cfg.betas),
+            betas=cfg.betas,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
             master_weights=cfg.master_weights,
@@ -70,7 +71,7 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW; the fused kernel on CUDA unless `optim.fused` says otherwise (one launch for all tensors)."""
     fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps)
+    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
     if fused and "fused" in inspect.signature(torch.optim.AdamW).parameters:
         kwargs["fused"] = True
     elif device.type == "cuda":
@@ -152,9 +153,9 @@ class EMA:
         for target, value in zip(targets, self.shadow, strict=True):
             target.copy_(value)
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "shadow": [s.cpu() for s in self.shadow]}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        for target, value in zip(self.shadow, state["shadow"], strict=True):  # type: ignore[arg-type]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for target, value in zip(self.shadow, state["shadow"], strict=True):
             target.copy_(value)

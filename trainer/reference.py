@@ -142,7 +142,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples = max(args.batch * world_size * 2, 64)
     data_cfg = DataConfig(source="digits", resolution=resolution, max_samples=samples, num_workers=0)
     dataset = build_dataset(data_cfg, seed=0, verbose=False)
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True)
+    sampler: torch.utils.data.DistributedSampler[int] = torch.utils.data.DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True
+    )
     loader = build_dataloader(
         dataset, sampler, args.batch, num_workers=args.num_workers, pin_memory=device.type == "cuda"
     )

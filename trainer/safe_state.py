@@ -168,7 +168,7 @@ def _byte_chunks(tensor: torch.Tensor) -> Iterable[memoryview]:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:
         return
-    raw = memoryview(flat.view(torch.uint8).numpy())
+    raw = flat.view(torch.uint8).numpy().data  # the array's buffer, as memoryview(array) gives it
     for start in range(0, len(raw), _CHUNK):
         yield raw[start : start + _CHUNK]
 

@@ -77,7 +77,8 @@ def run_step(
     for index, piece in enumerate(pieces):
         share = batch_size(piece) / total
         last = index == len(pieces) - 1
-        sync = contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") else ddp_model.no_sync()
+        no_sync = getattr(ddp_model, "no_sync", None)  # DDP's; a plain module has none
+        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
         with sync:
             loss = forward_backward(ddp_model, piece, share)
         weighted = loss.detach().float() * share

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,12 @@ from trainer.data import ResumableDistributedSampler, build_dataloader
 from trainer.models import vae_scale_factor
 from trainer.nonfinite import NonFiniteError, NonFiniteWatch
 
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL
+
 
 def fit_vae(
-    vae: torch.nn.Module,
+    vae: AutoencoderKL,
     dataset: torch.utils.data.Dataset,
     steps: int,
     batch_size: int,
@@ -102,7 +106,7 @@ def fit_vae(
 
 
 @torch.no_grad()
-def _broadcast_weights(vae: torch.nn.Module, rank: int, log: Callable[[str], None]) -> None:
+def _broadcast_weights(vae: AutoencoderKL, rank: int, log: Callable[[str], None]) -> None:
     """Make every rank hold rank 0's weights bit for bit (the cache key hashes them)."""
     worst = torch.zeros((), device=next(vae.parameters()).device)
     for tensor in vae.state_dict().values():
@@ -115,9 +119,7 @@ def _broadcast_weights(vae: torch.nn.Module, rank: int, log: Callable[[str], Non
         log(f"vae fit: ranks drifted apart by up to {worst.item():.3g}; all now hold rank 0's weights")
 
 
-def latent_shape(
-    vae: torch.nn.Module, pixel_shape: torch.Size | tuple[int, ...]
-) -> tuple[int, int, int, int]:
+def latent_shape(vae: AutoencoderKL, pixel_shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int, int]:
     """Shape of the latents `vae` makes of images of `pixel_shape` (B, 3, H, W)."""
     factor = vae_scale_factor(vae)
     b, _, h, w = pixel_shape
@@ -127,7 +129,7 @@ def latent_shape(
 class _Reconstruction(torch.nn.Module):
     """encode -> sample (with given noise) -> decode, plus the KL term: one module for DDP to wrap."""
 
-    def __init__(self, vae: torch.nn.Module) -> None:
+    def __init__(self, vae: AutoencoderKL) -> None:
         super().__init__()
         self.vae = vae
 
@@ -138,7 +140,7 @@ class _Reconstruction(torch.nn.Module):
 
 
 @torch.no_grad()
-def _set_scaling_factor(vae: torch.nn.Module, dataset, device: torch.device, batch_size: int) -> None:
+def _set_scaling_factor(vae: AutoencoderKL, dataset, device: torch.device, batch_size: int) -> None:
     """scaling_factor = 1 / std of latent means over the first images (same on every rank)."""
     count = min(len(dataset), 512)
     latents = []
