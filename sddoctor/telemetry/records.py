@@ -68,9 +68,9 @@ class LastStep(TypedDict, total=False):
     step_time: float
     micro_batch: int
     grad_accum: int
-    mem_alloc: float
-    mem_peak: float
-    mem_reserved: float
+    mem_alloc: float | None  # null off CUDA
+    mem_peak: float | None  # null off CUDA
+    mem_reserved: float | None  # null off CUDA
     images_per_s: float
     lr: float
     t: float
@@ -150,9 +150,9 @@ class OomFields(TypedDict, total=False):
     phase: str
     micro_batch: int
     grad_accum: int
-    mem_alloc: float
-    mem_reserved: float
-    mem_total: float
+    mem_alloc: float | None  # null off CUDA
+    mem_reserved: float | None  # null off CUDA
+    mem_total: float | None  # null off CUDA
     message: str
 
 
