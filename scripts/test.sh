@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up everything and run the whole test suite (lint, types and import rules first). Extra
-# arguments go to pytest.
+# Set up everything and run the whole test suite (lint, types and import rules first): the suite,
+# then the slow group. Extra arguments go to one pytest run instead (e.g. a file, -m 'not slow').
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,4 +16,13 @@ fi
 lint-imports             # the import rules of docs/architecture.md (pyproject.toml [tool.importlinter])
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
-"$PY" -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+    "$PY" -m pytest -q "$@"
+    exit
+fi
+# The suite (about 13 minutes on 2 CPU cores), then the slow group: the real-client programs
+# under every fault, the trainer's long runs, start-up hangs (about 20 minutes more). Both always run.
+status=0
+"$PY" -m pytest -q -m "not slow" || status=$?
+"$PY" -m pytest -q -m slow || status=$?
+exit "$status"
