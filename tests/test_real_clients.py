@@ -136,6 +136,8 @@ def test_a_missing_rank_is_named_where_it_really_is(runs: dict, fault: str) -> N
     assert v["details"]["op"] == expected_op and v["details"]["waiting_ranks"] == [0], v
     waited_at = c.line(c.barrier if fault == "skip-barrier" else c.backward)
     assert f"called at {waited_at}" in v["summary"], v
+    # declared within the hang timeout (5 s) + 10 s of the last progress
+    assert 5 <= v["details"]["stalled_seconds"] <= 5 + 10, v
     (fired,) = [f for f in res.report["ranks"]["1"]["faults"] if f.get("fault", "").startswith("skip")]
     assert fired["op"] == expected_op  # the skipped call was the kind this case is about
     stacks = res.run_dir / "stacks"
