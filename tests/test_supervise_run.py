@@ -254,3 +254,38 @@ def test_state_endpoint_and_report_command(tmp_path):
     # a script that joins no process group: nothing could be checked, which the report says
     assert out.returncode == 0 and "no_collectives" in out.stdout, out.stdout + out.stderr
     assert "garbled" not in out.stderr  # the report sddoctor wrote reads back cleanly
+
+
+USER_HOOK_JOB = """
+import torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(16, 4))
+model.register_comm_hook(None, default_hooks.allreduce_hook)  # the program's own comm hook
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(6):
+    with model.no_sync():
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_steps_are_inferred_through_the_programs_own_comm_hook(tmp_path):
+    """A program's own comm hook stays in place, and its last bucket still ends each step: as many
+    steps as optimizer steps, the last one included, with both micro-batches' samples."""
+    script = tmp_path / "user_hook.py"
+    script.write_text(USER_HOOK_JOB)
+    res = run_supervised(tmp_path, torchrun(2, str(script)))
+    assert res.returncode == 0, res.stderr
+    assert res.report["verdicts"] == []
+    for rank in (0, 1):
+        log = res.run_dir / "ranks" / f"rank-{rank:05d}.jsonl"
+        steps = [e for e in map(json.loads, log.read_text().splitlines()) if e.get("kind") == "step"]
+        assert [(s["step"], s["grad_accum"], s.get("samples")) for s in steps] == [
+            (n, 2, 16) for n in range(1, 7)
+        ], steps

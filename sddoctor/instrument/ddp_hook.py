@@ -27,6 +27,7 @@ Works with `gradient_as_bucket_view=True` (the reduction is in place in the buck
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -195,6 +196,41 @@ def install(ddp_model: torch.nn.parallel.DistributedDataParallel) -> CommHookSta
 
 
 _CLAIMED_ATTR = "_sddoctor_comm_hook_claimed"
+_USER_HOOK_ATTR = "_sddoctor_user_hook_watch"
+
+
+class UserHookWatch:
+    """A user's own comm hook (PowerSGD, fp16 compression) registered on a model: it keeps
+    running as registered, and its last bucket of a backward is reported like sddoctor's own
+    hook reports it (step inference ends a step there)."""
+
+    def __init__(self) -> None:
+        self.on_synced_backward: Callable[[], None] | None = None
+
+
+def watching_user_hook(ddp_model: torch.nn.Module, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` as DDP will call it, with its last bucket reported; sddoctor's own hook as it is."""
+    if hook is _averaging_allreduce_hook or not callable(hook):
+        return hook
+    watch = UserHookWatch()
+    ddp_model.__dict__[_USER_HOOK_ATTR] = watch
+
+    def hook_reporting_last_bucket(state: Any, bucket: Any) -> Any:
+        fut = hook(state, bucket)  # the user's hook first, exactly as registered
+        try:
+            if watch.on_synced_backward is not None and bucket.is_last():
+                watch.on_synced_backward()
+        except Exception as exc:  # noqa: BLE001 - step accounting never breaks the backward
+            internal_error("user comm hook watch", exc)
+        return fut
+
+    # DDP checks the hook's signature and logs its name: both stay the user's
+    return functools.update_wrapper(hook_reporting_last_bucket, hook)
+
+
+def user_hook_watch(ddp_model: torch.nn.Module) -> UserHookWatch | None:
+    """The watch on the user's own comm hook of `ddp_model`, if it carries one."""
+    return ddp_model.__dict__.get(_USER_HOOK_ATTR)
 
 
 def mark_claimed(ddp_model: torch.nn.Module) -> None:

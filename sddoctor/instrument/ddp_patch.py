@@ -40,6 +40,8 @@ def _marking_registration(register: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(register)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if register.__name__ == "register_comm_hook":
+            args, kwargs = _user_hook_watched(self, args, kwargs)
         result = register(self, *args, **kwargs)
         try:
             from sddoctor.instrument import ddp_hook
@@ -51,6 +53,20 @@ def _marking_registration(register: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.__sddoctor_original__ = register  # type: ignore[attr-defined]
     return wrapper
+
+
+def _user_hook_watched(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """register_comm_hook(state, hook)'s arguments with the hook's last bucket reported."""
+    try:
+        from sddoctor.instrument import ddp_hook
+
+        if "hook" in kwargs:
+            kwargs = {**kwargs, "hook": ddp_hook.watching_user_hook(model, kwargs["hook"])}
+        elif len(args) >= 2:
+            args = (args[0], ddp_hook.watching_user_hook(model, args[1]), *args[2:])
+    except Exception as exc:  # noqa: BLE001 - the user's hook is registered as it came then
+        internal_error("ddp comm hook registration", exc)
+    return args, kwargs
 
 
 def install(_module: Any = None) -> bool:

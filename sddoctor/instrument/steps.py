@@ -9,9 +9,11 @@ at the next forward: that is where step-bound faults (`kill:...,step=S`) fire, a
 `model(x)` line, never inside backward.
 
 Steps are counted on the first DDP model that finishes a synchronised backward (a program with
-several DDP models, a GAN say, counts the steps of that one). A model that carries another comm
-hook (the user's own: PowerSGD, fp16 compression) ends its steps at the next training forward
-after a forward that will synchronise, instead of at its last bucket. An explicit `sdi.step()`
+several DDP models, a GAN say, counts the steps of that one). A model that carries the user's own
+comm hook (PowerSGD, fp16 compression) keeps it; registered in Python, its last bucket is reported
+the same way (`ddp_hook.watching_user_hook`). Only a built-in C++ hook
+(`register_builtin_comm_hook`) leaves no such signal: its steps end at the next training forward
+after a forward that will synchronise. An explicit `sdi.step()`
 takes precedence: the first one turns inference off for the rest of the run, and so does
 `sdi.enable(infer_steps=False)` or SDDOCTOR_INFER_STEPS=0.
 """
@@ -107,11 +109,13 @@ class StepInference:
             internal_error("step inference (forward)", exc)
 
     def _watch_backward(self, model: Any, model_ref: weakref.ReferenceType[Any]) -> bool:
-        """Have sddoctor's comm hook tell when a synchronised backward ends. False when the model
-        carries another comm hook (steps then end at the next training forward)."""
+        """Have sddoctor's comm hook, or the watch on the user's own, tell when a synchronised
+        backward ends. False for a built-in C++ hook (steps then end at the next training forward)."""
         from sddoctor.instrument import ddp_hook
 
-        state = ddp_hook.installed_state(model) or ddp_hook.install_unless_claimed(model)
+        state: Any = ddp_hook.installed_state(model) or ddp_hook.install_unless_claimed(model)
+        if state is None:
+            state = ddp_hook.user_hook_watch(model)  # the user's own Python hook reports it then
         if state is None:
             return False
         if state.on_synced_backward is None:
