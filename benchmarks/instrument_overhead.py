@@ -119,23 +119,68 @@ def _train_blocks(
     return times
 
 
-def _gloo_rank(
-    rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any, what: str = "session"
-) -> None:
+def _join_gloo(rank: int, world: int, port: int) -> None:
+    """This process joins the 2-rank gloo group of a CPU benchmark, one thread per rank."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _join_nccl() -> None:
+    """This process is the one rank of an NCCL group on GPU 0."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+
+
+def _cpu_mlp() -> Any:
+    """The CPU benchmarks' model (seeded: every rank and copy starts alike)."""
+    import torch
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 512),
-        torch.nn.ReLU(),
-        torch.nn.Linear(512, 512),
-        torch.nn.ReLU(),
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
         torch.nn.Linear(512, 64),
+    )  # fmt: skip
+
+
+#: the GPU benchmarks' MLP: 8 square layers of this width (134M parameters)
+_GPU_WIDTH = 4096
+
+
+def _gpu_mlp() -> Any:
+    """The GPU benchmarks' model (seeded)."""
+    import torch
+
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(_GPU_WIDTH, _GPU_WIDTH), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers).cuda()
+
+
+def _gpu_batch() -> tuple[Any, Any]:
+    import torch
+
+    return (
+        torch.randn(256, _GPU_WIDTH, device="cuda"),
+        torch.randn(256, _GPU_WIDTH, device="cuda"),
     )
+
+
+def _gloo_rank(
+    rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any, what: str = "session"
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _join_gloo(rank, world, port)
+    model = _cpu_mlp()
     batch = (torch.randn(32, 256), torch.randn(32, 64))
     times = _train_blocks(rank, world, model, batch, blocks, steps, Path(run_dir), "cpu", what)
     if rank == 0:
@@ -182,22 +227,12 @@ def _unchanged_rank(
     rank: int, world: int, port: int, blocks: int, steps: int, run_dir: str, out: Any, what: str = "hook"
 ) -> None:
     """A gloo rank of `_unchanged_blocks` on a CPU MLP."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
-    def mlp() -> Any:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
-            torch.nn.Linear(512, 64),
-        )  # fmt: skip
-
+    _join_gloo(rank, world, port)
     batch = (torch.randn(32, 256), torch.randn(32, 64))
-    times = _unchanged_blocks(rank, world, mlp, batch, blocks, steps, Path(run_dir), what, "cpu")
+    times = _unchanged_blocks(rank, world, _cpu_mlp, batch, blocks, steps, Path(run_dir), what, "cpu")
     if rank == 0:
         out.put(times)
     dist.destroy_process_group()
@@ -289,22 +324,12 @@ def bench_nccl_unchanged(blocks: int, steps: int) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    width = 4096
-
-    def mlp() -> Any:
-        torch.manual_seed(0)
-        layers: list[Any] = []
-        for _ in range(8):
-            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-        return torch.nn.Sequential(*layers).cuda()
-
-    batch = (torch.randn(256, width, device="cuda"), torch.randn(256, width, device="cuda"))
+    _join_nccl()
+    batch = _gpu_batch()
     out = []
     for what in ("hook", "inference"):
         with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
-            times = _unchanged_blocks(0, 1, mlp, batch, blocks, steps, Path(run_dir), what, "cuda")
+            times = _unchanged_blocks(0, 1, _gpu_mlp, batch, blocks, steps, Path(run_dir), what, "cuda")
         label = (
             "sddoctor's comm hook + inferred steps vs DDP's own hook"
             if what == "hook"
@@ -323,15 +348,9 @@ def bench_nccl(blocks: int, steps: int, what: str = "session") -> dict[str, Any]
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    torch.manual_seed(0)
-    width = 4096
-    layers: list[Any] = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers).cuda()
-    batch = (torch.randn(256, width, device="cuda"), torch.randn(256, width, device="cuda"))
+    _join_nccl()
+    model = _gpu_mlp()
+    batch = _gpu_batch()
     with tempfile.TemporaryDirectory(prefix="sddoctor-bench-") as run_dir:
         times = _train_blocks(0, 1, model, batch, blocks, steps, Path(run_dir), "cuda", what)
     dist.destroy_process_group()
