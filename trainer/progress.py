@@ -58,8 +58,9 @@ class StepReporter:
 
 def memory_gib(device: torch.device) -> tuple[float, float]:
     """(current, peak) GiB: CUDA allocator on GPU, resident set size of the process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
+    allocated, peak = memory_bytes(device)
+    if allocated is not None and peak is not None:
+        return allocated / 2**30, peak / 2**30
     try:
         import psutil
 
