@@ -115,7 +115,7 @@ VARIANTS.update(
     }
 )
 # speed levers against `default` (compiled): CUDA graphs for the launch gaps of the compiled
-# backward, Triton autotuning, and each attention kernel for attention's backward
+# backward, Triton autotuning, each attention kernel for attention's backward, Inductor options
 VARIANTS.update(
     {
         "default-cudagraphs": {"model.compile_mode": "reduce-overhead"},
@@ -123,6 +123,9 @@ VARIANTS.update(
         "default-flash": {"model.attention_backend": "flash"},
         "default-cudnn": {"model.attention_backend": "cudnn"},
         "default-efficient": {"model.attention_backend": "efficient"},
+        # N-D tiled pointwise kernels: the up-blocks' GroupNorm + SiLU kernels read their
+        # channels_last input C elements apart without it (benchmarks/unet_kernels.py)
+        "default-ndtiling": {"model.compile_options": ["triton.prefer_nd_tiling=true"]},
     }
 )
 
@@ -412,6 +415,8 @@ def common_settings(args: argparse.Namespace, case: Case, total_steps: int) -> d
 def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):  # --set's list form: entries separated by ';'
+        return ";".join(map(_fmt, value))
     return str(value)
 
 

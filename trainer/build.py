@@ -38,6 +38,7 @@ from trainer.models import (
     OnlyAttentionKernel,
     build_models,
     check_model_fits,
+    compile_arguments,
     count_parameters,
     separate_compile_cache,
     side_step,
@@ -382,7 +383,8 @@ def build_optimization(
     if compile_unet:
         log("compiling the UNet with torch.compile: the first steps take a few minutes")
         separate_compile_cache(cfg.model.attention_backend)
-        model = torch.compile(unet, backend=cfg.model.compile_backend, mode=cfg.model.compile_mode or None)  # type: ignore[assignment]
+        how = compile_arguments(cfg.model.compile_backend, cfg.model.compile_mode, cfg.model.compile_options)
+        model = torch.compile(unet, backend=cfg.model.compile_backend, **how)  # type: ignore[assignment]
     if cfg.model.attention_backend != "auto" and device.type == "cuda":
         model = OnlyAttentionKernel(model, cfg.model.attention_backend)
     if unet_bf16:

@@ -56,6 +56,9 @@ class ModelConfig:
     for telling a compile problem from a kernel problem, and fast to start)."""
     compile_mode: str = ""
     """torch.compile mode: '' (default) | reduce-overhead (CUDA graphs) | max-autotune | max-autotune-no-cudagraphs."""
+    compile_options: list[str] = field(default_factory=list)
+    """Inductor settings as NAME=VALUE, NAME as in torch._inductor.config (e.g.
+    triton.prefer_nd_tiling=true), added to compile_mode's own: for measuring a compiler lever."""
     unet_dtype: str = "fp32"
     """fp32 (under autocast) | bf16 (bf16 weights, no autocast; the optimizer keeps fp32 master weights
     unless optim.master_weights=false) | auto (bf16 when training in bf16 on CUDA, else fp32)."""
@@ -503,6 +506,7 @@ _STEPS = _int(0, 10**9)
 _SEED = _int(0, 2**32 - 1)
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _LAYER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+_COMPILE_OPTION = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*=[A-Za-z0-9_.+-]+")
 
 
 def _optional_size(rule: Rule) -> Rule:
@@ -541,6 +545,10 @@ RULES: dict[str, Rule] = {
     "model.init_on_device": _BOOL,
     "model.offload_frozen": _BOOL,
     "model.attention_backend": _choice("auto", "flash", "cudnn", "efficient", "math"),
+    "model.compile_options": Rule(
+        lambda v: isinstance(v, list) and all(isinstance(x, str) and _COMPILE_OPTION.fullmatch(x) for x in v),
+        "a list of Inductor settings NAME=VALUE, e.g. triton.prefer_nd_tiling=true",
+    ),
     "data.source": _text(nonempty=True, what="'digits' or a folder path"),
     "data.resolution": _int(8, 8192, multiple=8),
     "data.center_crop": _BOOL,

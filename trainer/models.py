@@ -378,6 +378,57 @@ def separate_compile_cache(backend: str) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(inductor_cache_dir()) / f"sdpa-{backend}")
 
 
+def compile_arguments(backend: str, mode: str, entries: list[str]) -> dict[str, Any]:
+    """torch.compile's `mode=` or `options=` for model.compile_mode and model.compile_options.
+    torch.compile takes one or the other, so with options the mode's own settings are merged in.
+    An unknown name, a value of the wrong type, or options for a backend other than Inductor
+    (which would ignore them) raise ConfigError (exit 2) naming it."""
+    if not entries:
+        return {"mode": mode or None}
+    import torch._inductor
+    import torch._inductor.config
+
+    from trainer.config import ConfigError
+
+    if backend != "inductor":
+        raise ConfigError(
+            f"model.compile_options are Inductor settings; model.compile_backend is {backend!r}: "
+            "use model.compile_backend=inductor or leave model.compile_options empty"
+        )
+    known = torch._inductor.config.get_config_copy()
+    options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode or "default"))
+    for entry in entries:
+        name, _, text = entry.partition("=")
+        if name not in known:
+            raise ConfigError(
+                f"model.compile_options: {name!r} is not an Inductor setting of torch {torch.__version__}; "
+                "names are those of torch._inductor.config, e.g. triton.prefer_nd_tiling"
+            )
+        options[name] = _option_value(name, text, known[name])
+    return {"options": options}
+
+
+def _option_value(name: str, text: str, current: Any) -> Any:
+    """`text` read as the type of the setting's current value (a bool, int, float or text)."""
+    from trainer.config import ConfigError
+
+    words = {"true": True, "false": False}
+    if isinstance(current, bool) or (current is None and text.lower() in words):
+        if text.lower() not in words:
+            raise ConfigError(f"model.compile_options: {name} takes true or false, not {text!r}")
+        return words[text.lower()]
+    for kind in (int, float):
+        if isinstance(current, kind) or current is None:
+            try:
+                return kind(text)
+            except ValueError:
+                if current is not None:
+                    raise ConfigError(f"model.compile_options: {name} takes a number, not {text!r}") from None
+    if current is None or isinstance(current, str):
+        return text
+    raise ConfigError(f"model.compile_options: {name} is not a setting that takes a plain value")
+
+
 def inductor_cache_dir() -> str:
     """Where Inductor keeps what it compiled: TORCHINDUCTOR_CACHE_DIR, or its default under the
     temporary folder."""
