@@ -68,7 +68,18 @@ def _rec(seq: int, t0: float, t1: float) -> tracing._Rec:
         False,
         None,
     )
+    rec.exact_end = False
     return rec
+
+
+def test_time_in_collectives_counts_overlapping_calls_once():
+    tracer = tracing.Tracer(rank=0)
+    # three gradient buckets in flight together, then one call on its own
+    for seq, (t0, t1) in enumerate([(10.0, 12.0), (10.5, 12.5), (11.0, 11.5), (20.0, 21.0)], start=1):
+        tracer._finish(_rec(seq, t0, t1), t1)
+    assert tracer.summary()["seconds"] == 3.5  # 10-12.5 and 20-21, not 2 + 2 + 0.5 + 1
+    assert tracer.summary()["ops"]["all_reduce"] == {"count": 4, "seconds": 5.5}
+    assert tracer.snapshot()["totals"] == {"count": 4, "seconds": 3.5}
 
 
 def test_tracer_buffers_completed_calls_and_the_recorder_counts_what_did_not_fit(tmp_path, monkeypatch):

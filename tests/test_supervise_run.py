@@ -289,3 +289,27 @@ def test_steps_are_inferred_through_the_programs_own_comm_hook(tmp_path):
         assert [(s["step"], s["grad_accum"], s.get("samples")) for s in steps] == [
             (n, 2, 16) for n in range(1, 7)
         ], steps
+
+
+def test_gradient_all_reduces_on_cpu_are_timed_to_their_real_end(tmp_path):
+    """DDP's bucket all-reduces are async: on gloo each one ends when its future says so, before
+    the backward that waits for it, not at the next poll a second later; and a rank's time in
+    collectives counts overlapping buckets once, so it stays below its wall time."""
+    from sddoctor.supervise.timeline import load_timeline
+    from sddoctor.telemetry import RunDir
+
+    client = SCRIPT.parent / "clients" / "ddp_tutorial.py"
+    res = run_supervised(tmp_path, torchrun(2, str(client)), env={"STEPS": "15"})
+    assert res.returncode == 0, res.stderr
+    timeline = load_timeline(RunDir(res.run_dir))
+    for rank in (0, 1):
+        lane = timeline.lanes[rank]
+        buckets = sorted((c for c in lane.calls if c.op == "all_reduce"), key=lambda c: c.t0)
+        assert len(buckets) == len(lane.steps) == 15  # the toy model's gradients fit one bucket
+        assert all(not c.polled and c.t1 is not None for c in buckets)
+        # a step's all-reduce is over before the next step's begins (optimizer.step waits for it);
+        # a polled end would land up to a second later, many steps on
+        for call, following in zip(buckets, buckets[1:], strict=False):
+            assert call.t1 <= following.t0, (call, following)
+        health = res.report["health"]["ranks"][str(rank)]
+        assert 0 < health["collective_seconds"] <= health["wall_seconds"]

@@ -62,6 +62,6 @@ def _row(rec: Any) -> list[Any]:
         round(rec.t0, 6),
         round(t1 - rec.t0, 6),
         f"{rec.file}:{rec.line}",
-        bool(rec.deferred),
+        bool(rec.deferred) and not rec.exact_end,  # readers: "completion polled, +-1 s"
         rec.peer,
     ]

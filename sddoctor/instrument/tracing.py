@@ -12,11 +12,13 @@ attribute store or deque append. No I/O, no locks.
 
 Completion:
 - synchronous call on CPU tensors (gloo): done when the call returns;
-- `async_op=True`, isend/irecv, batch_isend_irecv: the Work object is kept and polled with
-  `is_completed()` by the heartbeat thread (never blocking);
+- `async_op=True`, isend/irecv, batch_isend_irecv, DDP's gradient buckets: the Work object is
+  kept and polled with `is_completed()` by the heartbeat thread (never blocking); on CPU tensors
+  its future's done-callback gives the exact end as well, whichever comes first;
 - synchronous call on CUDA tensors (NCCL returns before the GPU is done): a CUDA event is
   recorded on the current stream after the call and polled the same way.
-Polled completion times are as precise as the poll interval (about a second).
+Polled completion times are as precise as the poll interval (about a second). Time in
+collectives (`totals.seconds`) counts overlapping calls once, so it never exceeds wall time.
 
 Sequence numbers start at 1 on every group. Point-to-point ops are numbered separately, under
 the key "<group>:p2p", because they involve only two ranks and would otherwise make the
@@ -129,6 +131,7 @@ class _Rec:
         "t1",
         "handle",
         "deferred",
+        "exact_end",
         "peer",
     )
     op: str
@@ -142,6 +145,7 @@ class _Rec:
     t1: float | None
     handle: Any  # the Work or CUDA event whose completion is polled
     deferred: bool
+    exact_end: bool  # an async call whose end its future reported (CPU), not the poll
     peer: int | None
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
@@ -222,6 +226,11 @@ class Tracer:
         self.last_done: _Rec | None = None
         self.last_failed: _Rec | None = None  # the traced call that raised last
         self.op_stats: dict[str, list[float]] = {}  # op -> [count, seconds of completed calls]
+        #: wall time inside completed calls, overlapping calls counted once (DDP's buckets overlap)
+        self.busy_seconds = 0.0
+        self._covered_until = 0.0
+        #: async calls complete on the poll thread or on the backend's callback thread: once
+        self._async_done = threading.Lock()
         self.started = time.time()
         self.ddp_stats: Callable[[], dict[str, Any]] | None = None
         self._c10d: Any = None
@@ -325,6 +334,7 @@ class Tracer:
         rec.handle = None
         rec.t1 = None
         rec.deferred = False
+        rec.exact_end = False
         rec.t0 = time.time()
         st.current = rec
         if hold:
@@ -347,7 +357,7 @@ class Tracer:
         rec.op, rec.key, rec.seq, rec.peer = "all_reduce", st.name, seq, None
         rec.shapes, rec.dtypes = [buffer.shape], [buffer.dtype]
         rec.file, rec.line = caller
-        rec.handle, rec.t1, rec.deferred = None, None, True
+        rec.handle, rec.t1, rec.deferred, rec.exact_end = None, None, True, False
         rec.t0 = time.time()
         _tls.busy = True
         try:
@@ -360,7 +370,34 @@ class Tracer:
             _tls.busy = False
         rec.handle = work
         st.pending.append(rec)
+        if buffer.device.type != "cuda":
+            self._complete_on_callback(rec, work)
         return work
+
+    def _complete_on_callback(self, rec: _Rec, work: Any) -> None:
+        """End time of an async call on CPU tensors from its future's callback, run by the backend
+        (gloo) when the call completes: the poll thread only sees it up to a second late, and the
+        durations, waits and time in collectives would be that late too. On CUDA the future completes
+        when the work is enqueued, not done, so CUDA calls stay polled."""
+        def done(_fut: Any) -> None:
+            try:
+                if self._finish_async(rec):
+                    rec.exact_end = True  # readers need not treat its end as polled
+            except Exception:  # noqa: BLE001 - runs on the backend's thread: never raise there
+                pass
+
+        try:
+            work.get_future().add_done_callback(done)
+        except Exception:  # noqa: BLE001 - a Work without a future is polled as before
+            pass
+
+    def _finish_async(self, rec: _Rec, now: float | None = None) -> bool:
+        """Complete an async call once, whichever of the poll and the callback sees it first."""
+        with self._async_done:
+            if rec.t1 is not None:
+                return False
+            self._finish(rec, time.time() if now is None else now)
+            return True
 
     def _end(self, st: _Group, rec: _Rec, result: Any, user_async: bool, on_cuda: bool) -> None:
         """The call returned: complete now, or keep its Work / a CUDA event to poll."""
@@ -372,6 +409,8 @@ class Tracer:
                 rec.handle = result
                 rec.deferred = True
                 st.pending.append(rec)
+                if not on_cuda:
+                    self._complete_on_callback(rec, result)
         elif on_cuda and (marker := _cuda_marker()) is not None:
             st.current = None
             rec.handle = marker
@@ -384,6 +423,10 @@ class Tracer:
 
     def _finish(self, rec: _Rec, t1: float) -> None:
         rec.t1 = t1
+        start = max(rec.t0, self._covered_until)
+        if t1 > start:
+            self.busy_seconds += t1 - start
+            self._covered_until = t1
         last = self.last_done
         if last is None or rec.t0 >= last.t0:
             self.last_done = rec
@@ -519,8 +562,7 @@ class Tracer:
         done = 0
         for st in list(set(self._groups.values())):
             for rec in list(st.pending):
-                if rec.t1 is None and _handle_done(rec.handle):
-                    self._finish(rec, now)
+                if rec.t1 is None and _handle_done(rec.handle) and self._finish_async(rec, now):
                     done += 1
             while st.pending and st.pending[0].t1 is not None:
                 try:
@@ -550,10 +592,10 @@ class Tracer:
         out: dict[str, Any] = {
             "inflight": inflight,
             "issued": issued,
-            # cumulative time inside completed collectives: a straggler waits least
+            # wall time inside completed collectives: a straggler waits least
             "totals": {
                 "count": int(sum(v[0] for v in stats.values())),
-                "seconds": round(sum(v[1] for v in stats.values()), 6),
+                "seconds": round(self.busy_seconds, 6),
             },
         }
         last = self.last_done
@@ -570,11 +612,12 @@ class Tracer:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """Counts and seconds per op since the start (the periodic `collective` event)."""
+        """Counts and seconds per op since the start (the periodic `collective` event); `seconds`
+        is wall time inside them, overlapping calls counted once, each op's the sum of its calls."""
         stats = dict(self.op_stats)
         return {
             "count": int(sum(v[0] for v in stats.values())),
-            "seconds": round(sum(v[1] for v in stats.values()), 6),
+            "seconds": round(self.busy_seconds, 6),
             "ops": {op: {"count": int(v[0]), "seconds": round(v[1], 6)} for op, v in stats.items()},
             "last_seq": {st.name: st.seq for st in set(self._groups.values()) if st.seq},
         }
