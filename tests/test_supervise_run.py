@@ -313,3 +313,18 @@ def test_gradient_all_reduces_on_cpu_are_timed_to_their_real_end(tmp_path):
             assert call.t1 <= following.t0, (call, following)
         health = res.report["health"]["ranks"][str(rank)]
         assert 0 < health["collective_seconds"] <= health["wall_seconds"]
+
+
+def test_a_rank_that_ends_early_is_named_not_the_rank_that_lost_it(tmp_path):
+    """Uneven data per rank: rank 1 finishes its 6 steps and exits 0 while rank 0 goes on to the
+    7th all-reduce, where gloo fails it with "Connection closed by peer". The culprit is rank 1."""
+    client = SCRIPT.parent / "clients" / "ddp_tutorial.py"
+    res = run_supervised(tmp_path, torchrun(2, str(client)), env={"STEPS": "12", "RANK1_STEPS": "6"})
+    assert res.returncode != 0, res.stderr
+    kinds = [(v["kind"], v["culprit_rank"]) for v in res.report["verdicts"]]
+    assert kinds == [("exited_early", 1)], res.report["verdicts"]
+    verdict = res.report["verdicts"][0]
+    assert (verdict["details"]["issued"], verdict["details"]["waiting_in"]) == (6, 7)
+    assert verdict["details"]["consequences"] == [0]
+    assert verdict["location"] == script_line("# BACKWARD", client)
+    assert "uneven data per rank" in verdict["summary"]

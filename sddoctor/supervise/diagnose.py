@@ -252,8 +252,93 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
         non_victims = [c for c in candidates if blame_key(c)[0] == 0]
         if non_victims:
             primary, exit_info = min(non_victims, key=lambda c: _death_time(c[0]))
+        else:
+            early = _exited_early(state, primary)
+            if early is not None:
+                return [early]
     others = sorted(r.rank for r, _ in candidates if r.rank != primary.rank)
     return [_crash_verdict(state, primary, exit_info, others)]
+
+
+#: How long after the peer that lost it a rank's own exit record may come (it closes its connections
+#: in destroy_process_group or at exit, and writes the record after).
+EXIT_RECORD_LAG = 10.0
+
+
+def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
+    """A rank that ended normally (exit code 0) before `victim` lost its peer, having issued fewer
+    collectives: the victim's "connection closed by peer" is that rank leaving while it still
+    expected it (uneven data per rank, a rank returning early). Under NCCL the same job hangs."""
+    victim_t = _death_time(victim)
+    wanted = _last_seq_wanted(victim)
+    if wanted is None:
+        return None
+    pg, seq = wanted
+    gone = []
+    for rank in state.ranks.values():
+        exit_info = rank_exit(rank, state)
+        issued = rank.snapshot.issued_on(pg) or 0
+        if (
+            rank.rank != victim.rank
+            and rank.exception is None
+            and exit_info
+            and exit_info.get("code") == 0
+            and not _abnormal(exit_info)
+            # its exit event is written after it closed its connections, so it can trail the
+            # victim's exception a little
+            and _death_time(rank) <= victim_t + EXIT_RECORD_LAG
+            and issued < seq
+        ):
+            gone.append((rank, issued))
+    if not gone:
+        return None
+    rank, issued = min(gone, key=lambda item: _death_time(item[0]))
+    done = rank.snapshot.last_done
+    location = done.caller if done is not None and done.caller else None
+    waiting = sorted(r.rank for r in state.ranks.values() if r.rank not in {g.rank for g, _ in gone})
+    summary = (
+        f"rank {rank.rank} ended (exit code 0) after {issued} collective{'s' if issued != 1 else ''} "
+        f"on group {pg} while rank{'s' if len(waiting) > 1 else ''} {_join(waiting)} went on to #{seq}"
+        f"; {'they' if len(waiting) > 1 else 'it'} failed as a consequence (the peer closed its "
+        "connection). The ranks ran different "
+        "numbers of collectives: uneven data per rank (DistributedSampler(drop_last=True), or DDP's "
+        "Join context for uneven inputs) or a rank that leaves its loop early"
+    )
+    message = str((victim.exception or {}).get("message", "")).strip()
+    evidence = [
+        f"rank {rank.rank} {describe_exit(rank_exit(rank, state))} after {issued} collectives on group {pg}"
+        + (f"; its last was {done.op} #{done.seq} at {done.caller}" if done is not None else ""),
+        f"rank {victim.rank} was in #{seq} and then raised: {message[:200]}",
+    ]
+    return Verdict(
+        kind="exited_early",
+        severity="error",
+        summary=summary,
+        culprit_rank=rank.rank,
+        location=location,
+        details={
+            "rank": rank.rank,
+            "issued": issued,
+            "pg": pg,
+            "waiting_in": seq,
+            "consequences": waiting,
+            "victim_exception": {"type": (victim.exception or {}).get("type"), "message": message},
+        },
+        evidence=evidence,
+    )
+
+
+def _last_seq_wanted(rank: RankState) -> tuple[str, int] | None:
+    """(group, seq) of the collective `rank` was in when it failed: the failed call, else the
+    newest call in flight, else the last it issued on the default group."""
+    snap = rank.snapshot
+    call = snap.failed or (max(snap.inflight, key=lambda c: c.since or 0.0) if snap.inflight else None)
+    if call is not None and call.pg is not None and call.seq is not None:
+        return str(call.pg), int(call.seq)
+    for pg, seq in snap.issued.items():
+        if not str(pg).endswith(":p2p"):
+            return str(pg), int(seq)
+    return None
 
 
 #: A rank that dies of one of these signals within this many seconds after sddoctor asked it for its
@@ -721,7 +806,14 @@ def _absent_rank_position(
         location: str | None = (
             (fault or {}).get("caller") or _exception_location(rank.exception, rank) or _where(rank)[0]
         )
-        return location, f"it {describe_exit(rank_exit(rank, state))}"
+        exit_info = rank_exit(rank, state)
+        how = f"it {describe_exit(exit_info)}"
+        if rank.exception is None and not fault and not _abnormal(exit_info) and (exit_info or {}).get("code") == 0:
+            how += (
+                ", having run fewer collectives than the others: uneven data per rank "
+                "(DistributedSampler(drop_last=True), or DDP's Join context) or a rank that leaves its loop early"
+            )
+        return location, how
     location, how = _where(rank)
     fault = _fault_of(rank, ("skip",))
     if fault and not (rank.stack or {}).get("top_user_frame"):

@@ -131,7 +131,7 @@ class RunMetrics:
                 self._read_state(rank, series, state.now)
             self._verdicts = [v.to_dict() if isinstance(v, Verdict) else dict(v) for v in verdicts]
             for v in self._verdicts:
-                if v.get("kind") == "crash":
+                if v.get("kind") in ("crash", "exited_early"):
                     self._crashes.add((v.get("kind"), v.get("culprit_rank")))
             hang_now = bool(hang_handled) or any(
                 str(v.get("kind", "")).startswith("hang.") and not (v.get("details") or {}).get("resolved")

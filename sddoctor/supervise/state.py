@@ -16,6 +16,7 @@ from sddoctor.telemetry.snapshot import RankSnapshot
 #: Verdict kinds, in the order a report lists them when several apply.
 VERDICT_KINDS = (
     "crash",
+    "exited_early",
     "oom",
     "hang.mismatch",
     "hang.missing_rank",

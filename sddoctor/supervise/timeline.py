@@ -317,6 +317,10 @@ def _apply_verdicts(lanes: dict[int, Lane], verdicts: list[dict[str, Any]]) -> N
             lane = lanes[culprit]
             lane.role = lane.role or "crashed"
             lane.note = lane.note or str(v.get("summary") or kind)
+        elif kind == "exited_early" and culprit in lanes:
+            lane = lanes[culprit]
+            lane.role = lane.role or "missing"  # it left while the others still expected it
+            lane.note = lane.note or f"ended after #{details.get('issued')}; the others went on to #{details.get('waiting_in')}"
         elif kind == "straggler" and culprit in lanes:
             lane = lanes[culprit]
             lane.role = lane.role or "straggler"

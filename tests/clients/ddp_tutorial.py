@@ -2,7 +2,8 @@
 
 torchrun --nproc-per-node 2 ddp_tutorial.py
 Environment: STEPS (40), ACCUM micro-batches per optimizer step (1; no_sync on all but the last),
-BARRIER_EVERY steps a dist.barrier() (0 = never), BATCH (20).
+BARRIER_EVERY steps a dist.barrier() (0 = never), BATCH (20), RANK1_STEPS (STEPS: rank 1 runs
+fewer steps, as with uneven data per rank).
 """
 
 import contextlib
@@ -34,6 +35,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
     steps, accum = int(os.environ.get("STEPS", "40")), int(os.environ.get("ACCUM", "1"))
     barrier_every, batch = int(os.environ.get("BARRIER_EVERY", "0")), int(os.environ.get("BATCH", "20"))
+    if rank == 1:
+        steps = int(os.environ.get("RANK1_STEPS", steps))
     for step in range(1, steps + 1):
         optimizer.zero_grad()
         for micro in range(accum):
