@@ -328,3 +328,45 @@ def test_a_rank_that_ends_early_is_named_not_the_rank_that_lost_it(tmp_path):
     assert verdict["details"]["consequences"] == [0]
     assert verdict["location"] == script_line("# BACKWARD", client)
     assert "uneven data per rank" in verdict["summary"]
+
+
+DATASET_ERROR_JOB = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class Images(Dataset):
+    def __len__(self):
+        return 80
+
+    def __getitem__(self, i):
+        if i == 37:
+            raise ValueError(f"corrupt image at index {i}")  # DATASET-ERROR
+        return torch.randn(10), torch.randn(5)
+
+
+dist.init_process_group("gloo")
+data = Images()
+loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False), num_workers=2)
+model = DDP(nn.Linear(10, 5))
+for x, y in loader:
+    nn.functional.mse_loss(model(x), y).backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_dataloader_worker_error_names_the_dataset_line_and_its_exception(tmp_path):
+    """torch re-raises a worker's error in the rank with the worker's traceback as text: the
+    verdict names the Dataset's line and the original exception, not `for x, y in loader`."""
+    script = tmp_path / "dataset_error.py"
+    script.write_text(DATASET_ERROR_JOB)
+    res = run_supervised(tmp_path, torchrun(2, str(script)))
+    assert res.returncode != 0
+    verdict = res.report["verdicts"][0]
+    assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1)  # index 37 is rank 1's
+    assert verdict["location"] == script_line("# DATASET-ERROR", script)
+    assert "ValueError: corrupt image at index 37 in its DataLoader worker process" in verdict["summary"]
+    origin = verdict["details"]["origin"]
+    assert origin["exception"] == "ValueError: corrupt image at index 37"
+    assert origin["traceback"][-1] == f"{script_line('# DATASET-ERROR', script)} in __getitem__"

@@ -18,6 +18,7 @@ import signal
 from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
+from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import VERDICT_KINDS, RankState, RunState, Verdict
 from sddoctor.supervise.straggler import diagnose_straggler
 from sddoctor.telemetry.snapshot import Collective
@@ -117,6 +118,10 @@ def _exception_location(exc: dict[str, Any] | None, rank: RankState | None = Non
     if not exc:
         return None
     roots = roots_of(rank)
+    nested = nested_traceback(str(exc.get("message", "")))
+    origin = first_user_frame(nested.frames, roots) if nested else None
+    if origin:  # the line that failed in a DataLoader worker, not the rank's `for batch in loader`
+        return origin.split(" in ")[0].strip()
     caller = exc.get("caller")
     if isinstance(caller, str) and caller and roots.is_user(frame_path(caller)):
         return caller
@@ -367,8 +372,12 @@ def _crash_verdict(
     location = _exception_location(exc, rank) or (fault or {}).get("caller") or _where(rank)[0]
     step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
+    nested = nested_traceback(str((exc or {}).get("message", "")))
     if exc and not (exit_info or {}).get("signal"):
-        how = f"raised {exc.get('type', 'an exception')}: {str(exc.get('message', '')).strip()[:160]}"
+        first_line = (str(exc.get("message", "")).strip().splitlines() or [""])[0]
+        how = f"raised {exc.get('type', 'an exception')}: {first_line[:160]}"
+        if nested and nested.exception:
+            how = f"raised {nested.exception[:160]}" + (f" in its {nested.source}" if nested.source else "")
     summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
     if location:
         summary += f" at {location}"
@@ -403,6 +412,12 @@ def _crash_verdict(
     }
     if exc:
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
+    if nested:
+        details["origin"] = {
+            "source": nested.source,
+            "exception": nested.exception,
+            "traceback": list(nested.frames),
+        }
     severity = "error"
     after_dump = _after_dump(state, rank, exit_info)
     if after_dump is not None:
