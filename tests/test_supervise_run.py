@@ -370,3 +370,43 @@ def test_a_dataloader_worker_error_names_the_dataset_line_and_its_exception(tmp_
     origin = verdict["details"]["origin"]
     assert origin["exception"] == "ValueError: corrupt image at index 37"
     assert origin["traceback"][-1] == f"{script_line('# DATASET-ERROR', script)} in __getitem__"
+
+
+RESTART_JOB = """
+import os
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DDP(nn.Linear(10, 5))
+for step in range(8):
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and rank == 1 and step == 3:
+        raise RuntimeError("transient failure")  # TRANSIENT
+    model(torch.randn(4, 10)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_run_that_torchrun_restarts_is_judged_on_its_new_processes(tmp_path):
+    """torchrun --max-restarts 1: rank 1 fails on the first attempt and the workers restart. The
+    first attempt's failure is a `restarted` warning naming rank 1's line; the ranks are the new
+    processes. (Whether the second attempt runs is up to torchrun: on gloo its restarted ranks at
+    times cannot connect, a torch issue; then that failure is the crash, judged on its own.)"""
+    script = tmp_path / "restart_job.py"
+    script.write_text(RESTART_JOB)
+    cmd = torchrun(2, str(script))
+    cmd.insert(cmd.index(str(script)), "--max-restarts=1")
+    options = ("--hang-timeout", "4", "--startup-timeout", "20", "--on-hang", "kill")
+    res = run_supervised(tmp_path, cmd, options=options, timeout=150)
+    restarted = [v for v in res.report["verdicts"] if v["kind"] == "restarted"]
+    assert [(v["severity"], v["culprit_rank"]) for v in restarted] == [("warning", 1)], res.report["verdicts"]
+    verdict = restarted[0]
+    assert verdict["location"] == script_line("# TRANSIENT", script)
+    assert "RuntimeError: transient failure" in verdict["summary"] and verdict["details"]["attempt"] == 1
+    # no verdict blames the first attempt's processes for anything else
+    assert not any("transient failure" in v["summary"] for v in res.report["verdicts"] if v["kind"] != "restarted")
+    if res.returncode == 0:
+        assert [v["kind"] for v in res.report["verdicts"]] == ["restarted"]
+        for rank in ("0", "1"):
+            assert res.report["ranks"][rank]["exit"]["code"] == 0, res.report["ranks"][rank]

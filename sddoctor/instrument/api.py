@@ -392,6 +392,7 @@ def _enable(
         argv=redact_argv(sys.argv),
         code_roots=current_roots().to_dict(),
         comm_env=comm_env(os.environ),
+        restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0),  # torchrun --max-restarts: attempt - 1
         **start_fields,
     )
     flush_pending()

@@ -66,6 +66,7 @@ def diagnose(state: RunState) -> list[Verdict]:
     verdicts += diagnose_replicas(state)
     verdicts += diagnose_straggler(state)
     verdicts += diagnose_internal_errors(state)
+    verdicts += diagnose_restarts(state)
     if not verdicts:
         verdicts += diagnose_no_collectives(state)
     order = {kind: i for i, kind in enumerate(VERDICT_KINDS)}
@@ -176,7 +177,7 @@ def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
     """The best-known exit of a rank: its own record, else what the launcher reported."""
     exit_info = dict(rank.exit) if rank.exit else None
     for failure in state.launcher_failures:
-        if failure.get("rank") == rank.rank:
+        if failure.get("rank") == rank.rank and not rank.earlier_process(failure.get("pid")):
             code = failure.get("exitcode")
             merged = exit_info or {}
             # The launcher saw the real wait status; a rank's own exit event is written before it dies.
@@ -1044,6 +1045,47 @@ def diagnose_replicas(state: RunState) -> list[Verdict]:
 
 
 # -- sddoctor itself and what it could not see ----------------------------------------------------
+
+
+def diagnose_restarts(state: RunState) -> list[Verdict]:
+    """The launcher restarted workers (torchrun --max-restarts): the first failure that made it,
+    from the ranks' earlier processes. What the current processes did is judged as usual."""
+    failures = []
+    for rank in state.ranks.values():
+        for number, attempt in enumerate(rank.attempts, start=1):
+            exc, exit_info = attempt.get("exception"), attempt.get("exit")
+            if exc is None and not _abnormal(exit_info):
+                continue
+            times = [t for t in ((exc or {}).get("t"), (exit_info or {}).get("t")) if isinstance(t, (int, float))]
+            failures.append((min(times) if times else float("inf"), number, rank, attempt))
+    if not failures:
+        return []
+    _, number, rank, attempt = min(failures, key=lambda f: (f[0], f[2].rank))
+    exc = attempt.get("exception")
+    how = describe_exit(attempt.get("exit"))
+    if exc:
+        first_line = (str(exc.get("message", "")).strip().splitlines() or [""])[0]
+        how = f"raised {exc.get('type', 'an exception')}: {first_line[:160]}"
+    location = _exception_location(exc, rank)
+    restarted = sorted(r.rank for r in state.ranks.values() if r.attempts)
+    summary = (
+        f"the launcher restarted the workers: on attempt {number} rank {rank.rank} {how}"
+        + (f" at {location}" if location else "")
+        + (f" (step {attempt['step']})" if attempt.get("step") is not None else "")
+        + f"; rank{'s' if len(restarted) > 1 else ''} {_join(restarted)} then ran in new processes"
+    )
+    evidence = [
+        f"rank {r.rank}: earlier process{'es' if len(r.attempts) > 1 else ''} "
+        + ", ".join(f"pid {a.get('pid')} ({describe_exit(a.get('exit'))})" for a in r.attempts)
+        + f"; now pid {r.pid}"
+        for r in sorted(state.ranks.values(), key=lambda r: r.rank)
+        if r.attempts
+    ]
+    details = {"attempt": number, "rank": rank.rank, "restarted_ranks": restarted, "exit": attempt.get("exit")}
+    if exc:
+        details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
+        details["traceback"] = exc.get("traceback")
+    return [Verdict("restarted", "warning", summary, rank.rank, location, details, evidence)]
 
 
 def diagnose_internal_errors(state: RunState) -> list[Verdict]:

@@ -43,6 +43,8 @@ def apply_facts(state: RunState, facts: dict[str, Any]) -> None:
     for key, exit_info in (facts.get("exits") or {}).items():
         rank = state.ranks.get(int(key)) if str(key).isdigit() else None
         if rank is not None and isinstance(exit_info, dict):
+            if rank.earlier_process(exit_info.get("pid")):
+                continue  # an earlier process of a restarted rank
             rank.exit = {**(rank.exit or {}), **exit_info}
             rank.alive = False
     for key, stack in (facts.get("stacks") or {}).items():
@@ -55,7 +57,9 @@ def settle_exits(state: RunState) -> None:
     """At the end of a run: each rank's exit as best known (its own record, else the launcher's
     word, which has the real wait status), for the report."""
     for rank in state.ranks.values():
-        if rank.exit is not None or any(f.get("rank") == rank.rank for f in state.launcher_failures):
+        if rank.exit is not None or any(
+            f.get("rank") == rank.rank and not rank.earlier_process(f.get("pid")) for f in state.launcher_failures
+        ):
             rank.exit = rank_exit(rank, state)
 
 

@@ -251,7 +251,7 @@ class Job:
                 if rank.exit is not None:
                     continue
                 if not _alive(rank.process):
-                    rank.exit = {"t": time.time(), "source": "process watch"}
+                    rank.exit = {"t": time.time(), "source": "process watch", "pid": rank.pid}
                     self._fill_status(rank)
 
     def _fill_status(self, rank: RankProcess) -> None:

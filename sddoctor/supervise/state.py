@@ -28,6 +28,7 @@ VERDICT_KINDS = (
     "straggler",
     "sddoctor.internal_error",
     "oom.recovered",
+    "restarted",
     "no_collectives",
 )
 
@@ -104,6 +105,8 @@ class RankState:
     internal_errors: list[dict[str, Any]] = field(default_factory=list)
     #: Where this rank's Python keeps its libraries (from its `start` event; see sddoctor.codepaths).
     code_roots: dict[str, Any] | None = None
+    #: Earlier processes of this rank (torchrun --max-restarts): {pid, exception, exit, step}, oldest first.
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     _snapshot: RankSnapshot | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -114,6 +117,25 @@ class RankState:
         if cached is None or cached.record is not self.state:
             cached = self._snapshot = RankSnapshot.of(self.state)
         return cached
+
+    def restart(self, pid: int) -> None:
+        """A new process took this rank over (the launcher restarted the workers): what the earlier
+        one did is kept in `attempts`; its exit, exception, stack and collective sightings no longer
+        describe the rank (the new process numbers its collectives from 1 again)."""
+        self.attempts.append(
+            {"pid": self.pid, "exception": self.exception, "exit": self.exit, "step": self.snapshot.step}
+        )
+        self.pid = pid
+        self.exit = None
+        self.exception = None
+        self.alive = None
+        self.stack = None
+        self.arrivals = {}
+        self.state = {}  # the new process is in its start-up until it writes a snapshot
+
+    def earlier_process(self, pid: Any) -> bool:
+        """Whether `pid` was one of this rank's processes before a restart."""
+        return isinstance(pid, int) and any(a.get("pid") == pid for a in self.attempts)
 
     def activity(self, now: float, started: float, startup_timeout: float) -> str:
         """One word for what the rank does: "exited"; "training" (steps finish); "running" (no step

@@ -224,6 +224,11 @@ class Supervisor:
                 self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
         for rank_id, proc in self.job.ranks.items():
             rank = self.watcher._rank(rank_id)
+            if rank.pid is not None and proc.pid != rank.pid:
+                if proc.exit is not None:
+                    continue  # an earlier process of a restarted rank: the rank's own word wins
+                if rank.exit is not None or rank.exception is not None:
+                    rank.restart(proc.pid)  # the launcher started a new process for this rank
             rank.pid = proc.pid
             rank.alive = proc.exit is None
             if proc.exit is not None:

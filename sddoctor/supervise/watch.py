@@ -154,8 +154,11 @@ class Watcher:
                 rank.code_roots = event["code_roots"]
             if isinstance(event.get("world_size"), int):
                 self.world_size = event["world_size"]
-            if isinstance(event.get("pid"), int):
-                rank.pid = rank.pid or event["pid"]
+            pid = event.get("pid")
+            if isinstance(pid, int):
+                if rank.pid is not None and pid != rank.pid and _is_restart(rank, event):
+                    rank.restart(pid)
+                rank.pid = rank.pid or pid
             rank.host = event.get("host") or rank.host
 
     @staticmethod
@@ -241,6 +244,14 @@ class Watcher:
 _FAILURE_BLOCK = re.compile(
     r"rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)",
 )
+
+
+def _is_restart(rank: RankState, start: dict[str, Any]) -> bool:
+    """Whether a `start` event of another pid is a new process of the rank (a launcher restart),
+    not a second writer of the same process's start: the earlier process has ended, or the
+    launcher says this is a restart (TORCHELASTIC_RESTART_COUNT, recorded as `restart`)."""
+    restart = start.get("restart")
+    return rank.exit is not None or rank.exception is not None or (isinstance(restart, int) and restart > 0)
 
 
 def parse_launcher_failures(lines: list[str]) -> list[dict[str, Any]]:

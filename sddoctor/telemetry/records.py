@@ -129,6 +129,8 @@ class StartFields(TypedDict, total=False):
     local_rank: int
     world_size: int
     argv: list[Any]
+    #: how many times the launcher restarted the workers before this process (torchrun --max-restarts)
+    restart: int
 
 
 class StepFields(LastStep, total=False):
