@@ -46,7 +46,8 @@ def test_stalled_data_loader(tmp_path):
     assert res.returncode == 124, res.stderr
     (v,) = res.verdicts("hang.")
     assert (v["kind"], v["culprit_rank"]) == ("hang.dataloader", 1)
-    assert v["location"] == script_line("# DATA")
+    # the line its DataLoader worker is stuck at (the worker's stack), not the rank's next(batches)
+    assert v["location"] == script_line("# a stuck read")
 
 
 def test_shape_change_is_a_mismatch(tmp_path):
@@ -410,3 +411,52 @@ def test_a_run_that_torchrun_restarts_is_judged_on_its_new_processes(tmp_path):
         assert [v["kind"] for v in res.report["verdicts"]] == ["restarted"]
         for rank in ("0", "1"):
             assert res.report["ranks"][rank]["exit"]["code"] == 0, res.report["ranks"][rank]
+
+
+STUCK_WORKER_JOB = """
+import time
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        if i == 41:
+            time.sleep(10_000)  # STUCK-READ
+        return torch.randn(10), torch.randn(5)
+
+
+dist.init_process_group("gloo")
+data = Slow()
+loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False), num_workers=2)
+model = DDP(nn.Linear(10, 5))
+for x, y in loader:
+    nn.functional.mse_loss(model(x), y).backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_hang_in_a_dataloader_worker_names_the_datasets_line(tmp_path):
+    """Rank 1's DataLoader worker never returns from __getitem__: the rank itself only waits in
+    `for x, y in loader`; the verdict names the line its worker is stuck at (the worker's stack)."""
+    if shutil.which("py-spy") is None and not _py_spy_next_to_python():
+        pytest.skip("py-spy is not installed")
+    script = tmp_path / "stuck_worker.py"
+    script.write_text(STUCK_WORKER_JOB)
+    res = run_supervised(tmp_path, torchrun(2, str(script)))
+    assert res.returncode == 124, res.stderr
+    verdict = res.report["verdicts"][0]
+    assert (verdict["kind"], verdict["culprit_rank"]) == ("hang.dataloader", 1), res.report["verdicts"]
+    assert verdict["location"] == script_line("# STUCK-READ", script)
+    assert "its DataLoader worker (pid" in verdict["summary"] and "__getitem__()" in verdict["summary"]
+    assert list((res.run_dir / "stacks").glob("rank-00001-worker-*.txt"))
+
+
+def _py_spy_next_to_python() -> bool:
+    from pathlib import Path
+
+    return (Path(sys.executable).parent / "py-spy").exists()

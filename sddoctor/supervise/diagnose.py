@@ -37,6 +37,7 @@ _MISMATCH_TEXT = re.compile(
 )
 #: Signals a launcher (or sddoctor) sends to stop the survivors after a failure.
 _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
+_WORKER_LOOP = re.compile(r"torch/utils/data/_utils/worker\.py")
 _DATALOADER_FRAME = re.compile(r"torch/utils/data/|dataloader", re.IGNORECASE)
 
 
@@ -646,7 +647,8 @@ def _never_joined(state: RunState, rank: int) -> tuple[str | None, str]:
     return (process.get("stack") or {}).get("top_user_frame"), _process_text(process)
 
 
-def _in_dataloader(rank: RankState) -> bool:
+def in_dataloader(rank: RankState) -> bool:
+    """Whether the rank waits in its DataLoader (phase `data`, or torch's DataLoader in its stack)."""
     if rank.snapshot.phase == "data":
         return True
     frames = (rank.stack or {}).get("frames") or []
@@ -727,7 +729,7 @@ def _hang_outside_collectives(
     startup = _startup_hang(state, expected, base, evidence)
     if startup is not None:
         return startup
-    loaders = [r.rank for r in state.ranks.values() if not r.exited and _in_dataloader(r)]
+    loaders = [r.rank for r in state.ranks.values() if not r.exited and in_dataloader(r)]
     if loaders:
         location, how = _where(state.ranks[loaders[0]])
         return Verdict(
@@ -791,10 +793,17 @@ def _missing_rank_hang(
 ) -> Verdict:
     """Some ranks never reached the collective the others wait in: name one of them and where it is."""
     culprits = absent
-    loaders = [r for r in culprits if r in state.ranks and _in_dataloader(state.ranks[r])]
+    loaders = [r for r in culprits if r in state.ranks and in_dataloader(state.ranks[r])]
     culprit_rank = _pick_culprit(state, culprits, ("skip",))
     rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
     location, how = _absent_rank_position(state, culprit_rank, rank)
+    worker = _worker_frame(rank) if loaders and rank is not None else None
+    if worker is not None:
+        location = worker["top_user_frame"]
+        function = worker.get("top_user_function")
+        how += f"; its DataLoader worker (pid {worker.get('pid')}) is at {location}" + (
+            f" in {function}()" if function else ""
+        )
     fault = _fault_of(rank, ("skip",)) if rank else None
     if fault:
         evidence.append(
@@ -809,6 +818,22 @@ def _missing_rank_hang(
     )
     details.update(missing_ranks=culprits, culprit_issued=rank.snapshot.issued_on(pg) if rank else None)
     return Verdict(kind, "error", summary, culprit_rank, location, details, evidence)
+
+
+def _worker_frame(rank: RankState) -> dict[str, Any] | None:
+    """Where a DataLoader worker of the rank is inside the user's own code (its Dataset): the
+    innermost user frame above torch's worker loop. A worker waiting for work has none (its
+    frames below the loop are the rank's, copied by fork)."""
+    roots = roots_of(rank)
+    for worker in (rank.stack or {}).get("workers") or []:
+        for frame in (worker.get("frames") or []) if isinstance(worker, dict) else []:
+            text = str(frame)
+            if _WORKER_LOOP.search(text):
+                break
+            if roots.is_user(frame_path(text)):
+                location, _, function = text.partition(" in ")
+                return {"pid": worker.get("pid"), "top_user_frame": location, "top_user_function": function}
+    return None
 
 
 def _absent_rank_position(

@@ -110,6 +110,25 @@ def dump_stacks(
         return dict(pool.map(lambda item: one(*item), pids.items()))
 
 
+def dump_workers(
+    rank: int, pid: int, out_dir: Path, *, roots: CodeRoots | None = None, timeout: float = 10.0
+) -> list[dict[str, Any]]:
+    """Stacks of the Python child processes of a rank (its DataLoader workers), as `dump_stacks`
+    gives them, each with its `pid`; files `rank-NNNNN-worker-PID.*`. A rank blocked in its
+    DataLoader waits for them: the line that does not return is in a worker's stack."""
+    import psutil
+
+    try:  # any child: DataLoader workers rename themselves (pt_data_worker); py-spy skips non-Python ones
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+    if not children:
+        return []
+    keys = {f"rank-{rank:05d}-worker-{c.pid}": c.pid for c in children[:8]}
+    results = dump_stacks(keys, out_dir, timeout=timeout, roots=dict.fromkeys(keys, roots) if roots else None)
+    return [res for res in results.values() if res.get("ok")]
+
+
 def _dump_one(
     exe: str, key: Any, pid: int, out_dir: Path, timeout: float, native: bool, roots: CodeRoots
 ) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from sddoctor import exitcodes
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import describe_exit, diagnose, merge_verdicts
+from sddoctor.supervise.diagnose import describe_exit, diagnose, in_dataloader, merge_verdicts
 from sddoctor.supervise.facts import settle_exits, write_facts
 from sddoctor.supervise.gpulog import GpuLog
 from sddoctor.supervise.http import EndpointError, StateServer, get_state
@@ -260,7 +260,11 @@ class Supervisor:
                     for r, e in sorted(failures.items(), key=str)
                 )
             for rank_id in alive:
-                state.ranks[rank_id].stack = results.get(rank_id)
+                stack = state.ranks[rank_id].stack = results.get(rank_id)
+                if stack and in_dataloader(state.ranks[rank_id]):
+                    stack["workers"] = stacks.dump_workers(
+                        rank_id, alive[rank_id], self.opts.run_dir.stacks_dir, roots=roots.get(rank_id)
+                    )
             for process in unjoined:
                 process["stack"] = results.get(f"pid-{process['pid']}")
             if dump_asked_at is not None:
