@@ -331,19 +331,24 @@ def test_a_rank_that_ends_early_is_named_not_the_rank_that_lost_it(tmp_path):
     assert "uneven data per rank" in verdict["summary"]
 
 
-DATASET_ERROR_JOB = """
+DATASET_JOB = """
+import os, time
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+FAULT = os.environ["DATASET_FAULT"]
+
 
 class Images(Dataset):
     def __len__(self):
-        return 80
+        return 200
 
     def __getitem__(self, i):
-        if i == 37:
+        if i == 37 and FAULT == "raise":
             raise ValueError(f"corrupt image at index {i}")  # DATASET-ERROR
+        if i == 37 and FAULT == "sleep":
+            time.sleep(10_000)  # STUCK-READ
         return torch.randn(10), torch.randn(5)
 
 
@@ -360,9 +365,9 @@ dist.destroy_process_group()
 def test_a_dataloader_worker_error_names_the_dataset_line_and_its_exception(tmp_path):
     """torch re-raises a worker's error in the rank with the worker's traceback as text: the
     verdict names the Dataset's line and the original exception, not `for x, y in loader`."""
-    script = tmp_path / "dataset_error.py"
-    script.write_text(DATASET_ERROR_JOB)
-    res = run_supervised(tmp_path, torchrun(2, str(script)))
+    script = tmp_path / "dataset_job.py"
+    script.write_text(DATASET_JOB)
+    res = run_supervised(tmp_path, torchrun(2, str(script)), env={"DATASET_FAULT": "raise"})
     assert res.returncode != 0
     verdict = res.report["verdicts"][0]
     assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1)  # index 37 is rank 1's
@@ -413,41 +418,15 @@ def test_a_run_that_torchrun_restarts_is_judged_on_its_new_processes(tmp_path):
             assert res.report["ranks"][rank]["exit"]["code"] == 0, res.report["ranks"][rank]
 
 
-STUCK_WORKER_JOB = """
-import time
-import torch, torch.distributed as dist, torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
-
-class Slow(Dataset):
-    def __len__(self):
-        return 200
-
-    def __getitem__(self, i):
-        if i == 41:
-            time.sleep(10_000)  # STUCK-READ
-        return torch.randn(10), torch.randn(5)
-
-
-dist.init_process_group("gloo")
-data = Slow()
-loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False), num_workers=2)
-model = DDP(nn.Linear(10, 5))
-for x, y in loader:
-    nn.functional.mse_loss(model(x), y).backward()
-dist.destroy_process_group()
-"""
-
 
 def test_a_hang_in_a_dataloader_worker_names_the_datasets_line(tmp_path):
     """Rank 1's DataLoader worker never returns from __getitem__: the rank itself only waits in
     `for x, y in loader`; the verdict names the line its worker is stuck at (the worker's stack)."""
     if shutil.which("py-spy") is None and not _py_spy_next_to_python():
         pytest.skip("py-spy is not installed")
-    script = tmp_path / "stuck_worker.py"
-    script.write_text(STUCK_WORKER_JOB)
-    res = run_supervised(tmp_path, torchrun(2, str(script)))
+    script = tmp_path / "dataset_job.py"
+    script.write_text(DATASET_JOB)
+    res = run_supervised(tmp_path, torchrun(2, str(script)), env={"DATASET_FAULT": "sleep"})
     assert res.returncode == 124, res.stderr
     verdict = res.report["verdicts"][0]
     assert (verdict["kind"], verdict["culprit_rank"]) == ("hang.dataloader", 1), res.report["verdicts"]
