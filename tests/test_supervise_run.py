@@ -439,3 +439,31 @@ def _py_spy_next_to_python() -> bool:
     from pathlib import Path
 
     return (Path(sys.executable).parent / "py-spy").exists()
+
+
+EXIT_JOB = """
+import sys
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+model = DDP(nn.Linear(10, 5))
+for step in range(8):
+    if dist.get_rank() == 1 and step == 3:
+        sys.exit(3)  # USER-EXIT
+    model(torch.randn(4, 10)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_sys_exit_with_a_failure_status_names_its_line(tmp_path):
+    """SystemExit never reaches sys.excepthook: the rank notes where its code called sys.exit(3),
+    and the crash verdict names that line and the status, not its last collective's call site."""
+    script = tmp_path / "exit_job.py"
+    script.write_text(EXIT_JOB)
+    res = run_supervised(tmp_path, torchrun(2, str(script)))
+    assert res.returncode != 0
+    verdict = res.report["verdicts"][0]
+    assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1), res.report["verdicts"]
+    assert verdict["location"] == script_line("# USER-EXIT", script)
+    assert "exited with code 3" in verdict["summary"]

@@ -80,6 +80,7 @@ class RankSession:
         self._fired: set[str] = set()
         self._exit: tuple[str, int | None] | None = None
         self._exit_written = False
+        self._exit_call: str | None = None  # where sys.exit(status != 0) was called
         self._fatal_dump = False
         self._closed = False
         self.writer.update_state(local_rank=local_rank, world_size=world_size, status="running")
@@ -172,6 +173,14 @@ class RankSession:
         self.mark_exit("error", 1)
         self.writer.flush()
 
+    def note_exit_call(self, caller: str, status: object) -> None:
+        """sys.exit(status) with a failure status was called at `caller` (exit_hooks)."""
+        self._exit_call = caller
+        self.mark_exit("error", status if isinstance(status, int) else 1)
+
+    def _exit_fields(self) -> dict[str, Any]:
+        return {"caller": self._exit_call} if self._exit_call else {}
+
     def mark_exit(self, status: str, code: int | None) -> None:
         """Remember how the process ends; the `exit` event is written once, at close."""
         if self._exit is None or self._exit[0] == "ok":
@@ -186,7 +195,7 @@ class RankSession:
             return
         self._exit_written = True
         status, code = self._exit  # type: ignore[misc]
-        self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step)
+        self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields())
         self.writer.update_state(status="exited")
         self.writer.flush()
 
@@ -308,7 +317,7 @@ class RankSession:
             self.heartbeat.close()
         if not self._exit_written:
             self._exit_written = True
-            self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step)
+            self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields())
             self.writer.update_state(status="exited")
         self.writer.close()
 

@@ -89,8 +89,40 @@ def install(session: Any, *, grace: float = 1.0) -> None:
             previous(etype, exc, tb)
 
         sys.excepthook = hook
+    if "sys.exit" not in _installed:
+        _install_exit_caller()
     if "sigterm" not in _installed and threading.current_thread() is threading.main_thread():
         _install_sigterm(grace)
+
+
+def _install_exit_caller() -> None:
+    """Wrap sys.exit to note where the user's code ended the process with a failure status: a
+    SystemExit never reaches sys.excepthook, and the exit status alone names no line."""
+    original = sys.exit
+    _installed["sys.exit"] = original
+
+    def exit_noting_caller(status: object = None) -> None:
+        try:
+            current = _installed.get("session")
+            if current is not None and status not in (None, 0):
+                current.note_exit_call(_user_caller(sys._getframe(1)), status)
+        except Exception:  # noqa: BLE001 - the exit itself must happen
+            pass
+        original(status)  # type: ignore[arg-type]
+
+    sys.exit = exit_noting_caller  # type: ignore[assignment]
+
+
+def _user_caller(frame: Any) -> str:
+    """file:line of the innermost frame of the user's own code from `frame` outwards (argparse's
+    parser.error calls sys.exit for its caller), else of `frame`."""
+    roots = current_roots()
+    first = frame
+    while frame is not None:
+        if roots.is_user(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return f"{first.f_code.co_filename}:{first.f_lineno}"
 
 
 def _install_sigterm(grace: float) -> None:

@@ -371,7 +371,8 @@ def _crash_verdict(
 ) -> Verdict:
     exc = rank.exception
     fault = _fault_of(rank, ("kill", "raise"))
-    location = _exception_location(exc, rank) or (fault or {}).get("caller") or _where(rank)[0]
+    exit_call = (exit_info or {}).get("caller") if not exc else None  # sys.exit(failure) in user code
+    location = _exception_location(exc, rank) or (fault or {}).get("caller") or exit_call or _where(rank)[0]
     step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     nested = nested_traceback(str((exc or {}).get("message", "")))

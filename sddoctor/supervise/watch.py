@@ -140,6 +140,8 @@ class Watcher:
             status = event.get("status")
             code = event.get("code")
             info: dict[str, Any] = {"t": event.get("t"), "source": "exit event", "status": status}
+            if isinstance(event.get("caller"), str):
+                info["caller"] = event["caller"]  # where sys.exit(failure) was called
             if isinstance(code, int):
                 if status == "signal" and code > 128:
                     info["signal"] = code - 128  # written as 128 + signal number

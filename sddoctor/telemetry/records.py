@@ -198,6 +198,8 @@ class ExitFields(TypedDict, total=False):
     status: str
     code: int | None
     step: int | None
+    #: file:line of the user's code that called sys.exit with a failure status
+    caller: str
 
 
 class ReplicasFields(TypedDict, total=False):
