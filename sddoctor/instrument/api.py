@@ -173,7 +173,7 @@ class RankSession:
         self.mark_exit("error", 1)
         self.writer.flush()
 
-    def note_exit_call(self, caller: str, status: object) -> None:
+    def note_exit_call(self, caller: str | None, status: object) -> None:
         """sys.exit(status) with a failure status was called at `caller` (exit_hooks)."""
         self._exit_call = caller
         self.mark_exit("error", status if isinstance(status, int) else 1)

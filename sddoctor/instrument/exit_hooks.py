@@ -105,24 +105,15 @@ def _install_exit_caller() -> None:
         try:
             current = _installed.get("session")
             if current is not None and status not in (None, 0):
-                current.note_exit_call(_user_caller(sys._getframe(1)), status)
+                from sddoctor.instrument.tracing import user_caller  # only on the way out
+
+                # the innermost user frame: argparse's parser.error calls sys.exit for its caller
+                current.note_exit_call(user_caller(), status)
         except Exception:  # noqa: BLE001 - the exit itself must happen
             pass
         original(status)  # type: ignore[arg-type]
 
     sys.exit = exit_noting_caller  # type: ignore[assignment]
-
-
-def _user_caller(frame: Any) -> str:
-    """file:line of the innermost frame of the user's own code from `frame` outwards (argparse's
-    parser.error calls sys.exit for its caller), else of `frame`."""
-    roots = current_roots()
-    first = frame
-    while frame is not None:
-        if roots.is_user(frame.f_code.co_filename):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return f"{first.f_code.co_filename}:{first.f_lineno}"
 
 
 def _install_sigterm(grace: float) -> None:

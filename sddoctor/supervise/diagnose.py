@@ -205,6 +205,17 @@ def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
     return exit_info
 
 
+def _raised(exc: dict[str, Any]) -> str:
+    """'raised TYPE: the first line of its message' for an `exception` event."""
+    first_line = (str(exc.get("message", "")).strip().splitlines() or [""])[0]
+    return f"raised {exc.get('type', 'an exception')}: {first_line[:160]}"
+
+
+def _ended_cleanly(rank: RankState, exit_info: dict[str, Any] | None) -> bool:
+    """The rank's process ended by itself with status 0: no exception, signal or hard kill."""
+    return rank.exception is None and not _abnormal(exit_info) and (exit_info or {}).get("code") == 0
+
+
 def _abnormal(exit_info: dict[str, Any] | None) -> bool:
     if not exit_info:
         return False
@@ -287,22 +298,19 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
         issued = rank.snapshot.issued_on(pg) or 0
         if (
             rank.rank != victim.rank
-            and rank.exception is None
-            and exit_info
-            and exit_info.get("code") == 0
-            and not _abnormal(exit_info)
+            and _ended_cleanly(rank, exit_info)
             # its exit event is written after it closed its connections, so it can trail the
             # victim's exception a little
             and _death_time(rank) <= victim_t + EXIT_RECORD_LAG
             and issued < seq
         ):
-            gone.append((rank, issued))
+            gone.append((rank, issued, exit_info))
     if not gone:
         return None
-    rank, issued = min(gone, key=lambda item: _death_time(item[0]))
+    rank, issued, exit_info = min(gone, key=lambda item: _death_time(item[0]))
     done = rank.snapshot.last_done
     location = done.caller if done is not None and done.caller else None
-    waiting = sorted(r.rank for r in state.ranks.values() if r.rank not in {g.rank for g, _ in gone})
+    waiting = sorted(r.rank for r in state.ranks.values() if r.rank not in {g[0].rank for g in gone})
     summary = (
         f"rank {rank.rank} ended (exit code 0) after {issued} collective{'s' if issued != 1 else ''} "
         f"on group {pg} while rank{'s' if len(waiting) > 1 else ''} {_join(waiting)} went on to #{seq}"
@@ -313,7 +321,7 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
     )
     message = str((victim.exception or {}).get("message", "")).strip()
     evidence = [
-        f"rank {rank.rank} {describe_exit(rank_exit(rank, state))} after {issued} collectives on group {pg}"
+        f"rank {rank.rank} {describe_exit(exit_info)} after {issued} collectives on group {pg}"
         + (f"; its last was {done.op} #{done.seq} at {done.caller}" if done is not None else ""),
         f"rank {victim.rank} was in #{seq} and then raised: {message[:200]}",
     ]
@@ -377,8 +385,7 @@ def _crash_verdict(
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     nested = nested_traceback(str((exc or {}).get("message", "")))
     if exc and not (exit_info or {}).get("signal"):
-        first_line = (str(exc.get("message", "")).strip().splitlines() or [""])[0]
-        how = f"raised {exc.get('type', 'an exception')}: {first_line[:160]}"
+        how = _raised(exc)
         if nested and nested.exception:
             how = f"raised {nested.exception[:160]}" + (f" in its {nested.source}" if nested.source else "")
     summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
@@ -850,7 +857,7 @@ def _absent_rank_position(
         )
         exit_info = rank_exit(rank, state)
         how = f"it {describe_exit(exit_info)}"
-        if rank.exception is None and not fault and not _abnormal(exit_info) and (exit_info or {}).get("code") == 0:
+        if not fault and _ended_cleanly(rank, exit_info):
             how += (
                 ", having run fewer collectives than the others: uneven data per rank "
                 "(DistributedSampler(drop_last=True), or DDP's Join context) or a rank that leaves its loop early"
@@ -1088,10 +1095,7 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
         return []
     _, number, rank, attempt = min(failures, key=lambda f: (f[0], f[2].rank))
     exc = attempt.get("exception")
-    how = describe_exit(attempt.get("exit"))
-    if exc:
-        first_line = (str(exc.get("message", "")).strip().splitlines() or [""])[0]
-        how = f"raised {exc.get('type', 'an exception')}: {first_line[:160]}"
+    how = _raised(exc) if exc else describe_exit(attempt.get("exit"))
     location = _exception_location(exc, rank)
     restarted = sorted(r.rank for r in state.ranks.values() if r.attempts)
     summary = (

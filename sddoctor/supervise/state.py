@@ -133,6 +133,12 @@ class RankState:
         self.arrivals = {}
         self.state = {}  # the new process is in its start-up until it writes a snapshot
 
+    @property
+    def process_ended(self) -> bool:
+        """Whether the rank's current process is known to have ended (an exit or an uncaught
+        exception): a new process for the rank then is a restart."""
+        return self.exit is not None or self.exception is not None
+
     def earlier_process(self, pid: Any) -> bool:
         """Whether `pid` was one of this rank's processes before a restart."""
         return isinstance(pid, int) and any(a.get("pid") == pid for a in self.attempts)

@@ -227,7 +227,7 @@ class Supervisor:
             if rank.pid is not None and proc.pid != rank.pid:
                 if proc.exit is not None:
                     continue  # an earlier process of a restarted rank: the rank's own word wins
-                if rank.exit is not None or rank.exception is not None:
+                if rank.process_ended:
                     rank.restart(proc.pid)  # the launcher started a new process for this rank
             rank.pid = proc.pid
             rank.alive = proc.exit is None

@@ -253,7 +253,7 @@ def _is_restart(rank: RankState, start: dict[str, Any]) -> bool:
     not a second writer of the same process's start: the earlier process has ended, or the
     launcher says this is a restart (TORCHELASTIC_RESTART_COUNT, recorded as `restart`)."""
     restart = start.get("restart")
-    return rank.exit is not None or rank.exception is not None or (isinstance(restart, int) and restart > 0)
+    return rank.process_ended or (isinstance(restart, int) and restart > 0)
 
 
 def parse_launcher_failures(lines: list[str]) -> list[dict[str, Any]]:
