@@ -174,8 +174,9 @@ class RankSession:
         self.writer.flush()
 
     def note_exit_call(self, caller: str | None, status: object) -> None:
-        """sys.exit(status) with a failure status was called at `caller` (exit_hooks)."""
-        self._exit_call = caller
+        """sys.exit(status) with a failure status was called at `caller` (exit_hooks). The first
+        call is kept: multiprocessing's spawn_main calls sys.exit again with the worker's status."""
+        self._exit_call = self._exit_call or caller
         self.mark_exit("error", status if isinstance(status, int) else 1)
 
     def _exit_fields(self) -> dict[str, Any]:
@@ -230,6 +231,15 @@ class RankSession:
         if self.tracer is not None:
             self.tracer.rank = rank
             self.tracer.set_faults(self.all_faults)
+        self.announce()
+
+    def announce(self) -> None:
+        """Write the start event and the snapshot now, not at the next flush: a rank killed within
+        the flush interval would otherwise leave no file naming its pid as this rank."""
+        try:
+            self.writer.flush()
+        except OSError:
+            pass
 
     def enable_fatal_dump(self) -> None:
         """Python stacks of a fatal signal (SIGABRT, SIGSEGV) go to ranks/rank-NNNNN.fatal."""
@@ -273,13 +283,19 @@ class RankSession:
     def _on_ddp_model(self, ddp_model: Any) -> None:
         """A DistributedDataParallel was constructed: infer steps from it unless the program counts
         its own."""
+        inference = self._step_inference()
+        if inference is not None:
+            inference.attach(ddp_model)
+
+    def _step_inference(self) -> Any:
+        """The step inference of this session, made on first use; None when the program counts its own."""
         if not self.infer_steps or _session is not self:
-            return
+            return None
         if self.inference is None:
             from sddoctor.instrument.steps import StepInference
 
             self.inference = StepInference(self)
-        self.inference.attach(ddp_model)
+        return self.inference
 
     def _before_init(self, rank: int | None, world_size: int | None) -> None:
         if _session is self:
@@ -304,6 +320,9 @@ class RankSession:
             self.writer.update_state(backend=str(dist.get_backend()))
         except Exception:  # noqa: BLE001
             pass
+        inference = self._step_inference()
+        if inference is not None:
+            inference.watch_optimizers()  # steps for a program that trains no DDP model
 
     def close(self, status: str = "ok", code: int | None = 0) -> None:
         if self._closed:
@@ -405,6 +424,8 @@ def _enable(
         **start_fields,
     )
     flush_pending()
+    if rank_known:
+        _session.announce()
     if trace:
         from sddoctor.instrument import exit_hooks
 

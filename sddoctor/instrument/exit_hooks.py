@@ -2,6 +2,8 @@
 
 - `sys.excepthook` is chained: an `exception` event (type, message, traceback frames, caller)
   is written and flushed, then the previous hook prints the traceback as usual.
+- `sys.exit` and `os._exit` are wrapped: a failure status notes the user's line that called it,
+  and `os._exit`, which skips atexit, writes the `exit` event and flushes first.
 - Fatal signals (SIGSEGV, SIGABRT from gloo/NCCL, SIGFPE, SIGBUS, SIGILL): `faulthandler`
   writes the Python stack of every thread to `ranks/rank-NNNNN.fatal` (left alone if the
   user enabled faulthandler already). No Python code can run there, so this is the only
@@ -91,6 +93,8 @@ def install(session: Any, *, grace: float = 1.0) -> None:
         sys.excepthook = hook
     if "sys.exit" not in _installed:
         _install_exit_caller()
+    if "os._exit" not in _installed:
+        _install_os_exit()
     if "sigterm" not in _installed and threading.current_thread() is threading.main_thread():
         _install_sigterm(grace)
 
@@ -114,6 +118,29 @@ def _install_exit_caller() -> None:
         original(status)  # type: ignore[arg-type]
 
     sys.exit = exit_noting_caller  # type: ignore[assignment]
+
+
+def _install_os_exit() -> None:
+    """Wrap os._exit: it skips atexit and the excepthook, so without this the rank's buffered events,
+    its exit status and the line that ended it would be lost."""
+    original = os._exit
+    _installed["os._exit"] = original
+
+    def exit_flushing(status: int) -> None:
+        try:
+            current = _installed.get("session")
+            # a forked child (a DataLoader or multiprocessing worker) ends with os._exit: not the rank
+            if current is not None and current.pid == os.getpid():
+                if status != 0:
+                    from sddoctor.instrument.tracing import user_caller  # only on the way out
+
+                    current.note_exit_call(user_caller(), status)
+                current.exit_now("ok" if status == 0 else "error", status)
+        except Exception:  # noqa: BLE001 - the exit itself must happen
+            pass
+        original(status)
+
+    os._exit = exit_flushing  # type: ignore[assignment]
 
 
 def _install_sigterm(grace: float) -> None:

@@ -1,4 +1,4 @@
-"""Optimizer steps of an unchanged DDP program, inferred from its DDP model.
+"""Optimizer steps of an unchanged program, inferred from its DDP model or, without one, its optimizer.
 
 Every DDP program shows sddoctor one event per optimizer step: the last gradient bucket of a
 synchronised backward passes through sddoctor's comm hook (`ddp_hook`). Under `no_sync` (gradient
@@ -13,7 +13,11 @@ several DDP models, a GAN say, counts the steps of that one). A model that carri
 comm hook (PowerSGD, fp16 compression) keeps it; registered in Python, its last bucket is reported
 the same way (`ddp_hook.watching_user_hook`). Only a built-in C++ hook
 (`register_builtin_comm_hook`) leaves no such signal: its steps end at the next training forward
-after a forward that will synchronise. An explicit `sdi.step()`
+after a forward that will synchronise. A program that joined a process group but trains no DDP model (FSDP, gradients averaged by
+hand, DeepSpeed's engine around a torch optimizer) gets its steps from the first torch optimizer
+whose `step()` runs (a global optimizer post-hook): one step per `optimizer.step()`, with its time
+but no sample count, and step-bound faults fire as the previous step's `optimizer.step()` returns.
+An explicit `sdi.step()`
 takes precedence: the first one turns inference off for the rest of the run, and so does
 `sdi.enable(infer_steps=False)` or SDDOCTOR_INFER_STEPS=0.
 """
@@ -58,6 +62,8 @@ class StepInference:
         self.enabled = os.environ.get(INFER_ENV, "1") != "0"
         self.step = 0  # steps finished
         self._primary: weakref.ReferenceType[Any] | None = None
+        self._optimizer: weakref.ReferenceType[Any] | None = None  # counted when no DDP model trains
+        self._optimizer_hook: Any = None
         self._samples = 0
         self._micro_batches = 0
         self._samples_known = True
@@ -73,6 +79,13 @@ class StepInference:
             lambda module, args, kwargs: self._on_forward(model_ref, args, kwargs), with_kwargs=True
         )
 
+    def watch_optimizers(self) -> None:
+        """Count steps from optimizer.step() while no DDP model trains (installed once)."""
+        if self._optimizer_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+
     # -- hooks -------------------------------------------------------------------------------------
 
     def _on_forward(self, model_ref: weakref.ReferenceType[Any], args: tuple, kwargs: dict) -> None:
@@ -80,7 +93,7 @@ class StepInference:
             return
         try:
             model = model_ref()
-            if model is None or not model.training or not torch.is_grad_enabled():
+            if model is None or not _trains(model) or not torch.is_grad_enabled():
                 return
             if self._primary is None:
                 self._primary = model_ref  # the first DDP model that trains is the one counted
@@ -133,10 +146,38 @@ class StepInference:
         except Exception as exc:  # noqa: BLE001
             internal_error("step inference (backward)", exc)
 
-    def _end_step(self, now: float) -> None:
+    def _on_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if not self.enabled or self._primary is not None:
+            return  # a DDP model's synchronised backwards count the steps
+        try:
+            if self._optimizer is None:
+                # The first optimizer to step is the one counted: a wrapper (ZeroRedundancyOptimizer,
+                # accelerate's) steps its inner optimizer first, and a GAN's second one is ignored.
+                self._optimizer = weakref.ref(optimizer)
+            elif self._optimizer() is not optimizer:
+                return
+            if not _process_group_joined():
+                return  # not a distributed run: nothing to tell the ranks apart by
+            self._end_step(time.time(), source="optimizer")
+        except Exception as exc:  # noqa: BLE001
+            internal_error("step inference (optimizer)", exc)
+            return
+        try:
+            # The next step starts now; its injected faults fire here, in the user's optimizer.step().
+            self.session.begin_step(self.step + 1)
+        except Exception as exc:  # noqa: BLE001
+            from sddoctor.instrument.safety import is_injected
+
+            if is_injected(exc):
+                raise
+            internal_error("step inference (optimizer)", exc)
+
+    def _end_step(self, now: float, source: str = "ddp") -> None:
         self.step += 1
         begun = self._last_end if self._last_end is not None else self._step_started
-        fields: dict[str, Any] = {"source": "ddp", "grad_accum": self._micro_batches}
+        fields: dict[str, Any] = {"source": source}
+        if source == "ddp":
+            fields["grad_accum"] = self._micro_batches
         if begun is not None:
             fields["step_time"] = round(now - begun, 6)
         if self._samples_known and self._samples:
@@ -152,3 +193,18 @@ class StepInference:
     def stop(self) -> None:
         """An explicit step took over."""
         self.enabled = False
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+
+
+def _trains(ddp_model: Any) -> bool:
+    """Whether a forward of `ddp_model` is a training one. Lightning leaves the DDP wrapper in eval
+    mode after its first validation and puts only the module inside back into training."""
+    return bool(ddp_model.training or getattr(getattr(ddp_model, "module", None), "training", False))
+
+
+def _process_group_joined() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

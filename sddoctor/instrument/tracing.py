@@ -76,6 +76,9 @@ _SPECS: tuple[OpSpec, ...] = (
     OpSpec("all_gather_into_tensor", "input_tensor"),
     OpSpec("reduce_scatter", "input_list"),
     OpSpec("reduce_scatter_tensor", "input"),
+    # torch >= 2.12: FSDP2 calls these directly (absent names are skipped)
+    OpSpec("all_gather_single", "input_tensor"),
+    OpSpec("reduce_scatter_single", "input"),
     OpSpec("broadcast", "tensor"),
     OpSpec("reduce", "tensor"),
     OpSpec("all_to_all", "input_tensor_list"),

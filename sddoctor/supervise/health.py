@@ -219,6 +219,10 @@ def render_health_markdown(health: dict[str, Any]) -> list[str]:
         if tp.get("images_per_s_median") is not None:
             line += f"; median of the steps' own figure {tp['images_per_s_median']:.2f} images/s"
         out.append(line)
+    elif tp.get("steps"):
+        out.append(
+            f"- throughput: {tp['steps']} steps (step times below); no images/s: the steps carry no sample count"
+        )
     else:
         out.append("- throughput: no step events (the script did not report steps with `sdi.step`)")
     out.append(f"- backend: {comm.get('backend') or 'unknown'}")

@@ -1,11 +1,14 @@
 """The PyTorch DDP tutorial's multigpu.py pattern: mp.spawn, setup(rank, world_size), no launcher.
 
 python spawn_tutorial.py
-Environment: MASTER_PORT (required), STEPS (40), ACCUM (1), BARRIER_EVERY (0), BATCH (16).
+Environment: MASTER_PORT (required), STEPS (40), ACCUM (1), BARRIER_EVERY (0), BATCH (16),
+START_METHOD (spawn; fork starts the workers as multiprocessing.Process does by default on Linux),
+EXIT_RANK and EXIT_CODE (that rank calls sys.exit(EXIT_CODE) after its first step).
 """
 
 import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,8 @@ def train(rank, world_size):
                 loss = nn.functional.mse_loss(model(torch.randn(batch, 10)), torch.randn(batch, 5))  # FORWARD
                 loss.backward()  # BACKWARD
         optimizer.step()
+        if step == 1 and str(rank) == os.environ.get("EXIT_RANK"):
+            sys.exit(int(os.environ["EXIT_CODE"]))  # EXIT
         if barrier_every and step % barrier_every == 0:
             dist.barrier()  # BARRIER
     dist.destroy_process_group()
@@ -42,4 +47,5 @@ def train(rank, world_size):
 
 if __name__ == "__main__":
     world_size = 2
-    mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)
+    method = os.environ.get("START_METHOD", "spawn")
+    mp.start_processes(train, args=(world_size,), nprocs=world_size, join=True, start_method=method)
