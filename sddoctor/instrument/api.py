@@ -249,7 +249,7 @@ class RankSession:
         if not self.rank_known:
             return  # set_rank() comes back here
         try:
-            enable_fatal_dump(self.run_dir.ranks_dir / f"rank-{self.rank:05d}.fatal")
+            enable_fatal_dump(self.run_dir.fatal_file(self.rank))
         except OSError:
             pass
 

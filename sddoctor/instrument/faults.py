@@ -127,8 +127,19 @@ def exit_if_outside_world(faults: list[Fault], world_size: int | None) -> None:
     except FaultSpecError as exc:
         try:
             print(f"sddoctor: {exc}", file=sys.stderr, flush=True)
+            _tell_supervisor(str(exc))
         finally:
             os._exit(2)
+
+
+def _tell_supervisor(message: str) -> None:
+    """Leave the usage error where `sddoctor run` looks at the end, so that the job's end is
+    reported as exit code 2 and not as a crash of this rank."""
+    from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir, atomic_write_text
+
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        atomic_write_text(RunDir(run_dir).usage_error_file, message + "\n")
 
 
 def _parse_one(spec: str) -> Fault:

@@ -26,7 +26,8 @@ from sddoctor.telemetry.snapshot import Collective
 #: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
 _PEER_FAILURE = re.compile(
     r"connection (reset|closed|refused)|broken pipe|peer|socket timeout|timed out|"
-    r"communicator was aborted|nccl.*abort|remote process exited|heartbeat|watchdog",
+    r"communicator was aborted|nccl.*abort|remote process exited|heartbeat|watchdog|"
+    r"check rank \d+ logs for faulty rank",
     re.IGNORECASE,
 )
 _OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)
@@ -35,6 +36,12 @@ _MISMATCH_TEXT = re.compile(
     r"Detected mismatch between collectives",
     re.IGNORECASE,
 )
+#: A rank's own process-group timeout ended its wait (gloo's recv timeout, NCCL's watchdog), or
+#: monitored_barrier reported the ranks that did not arrive.
+_WAIT_TIMEOUT_TEXT = re.compile(
+    r"Timed out waiting \d+ ?ms|failed to pass monitoredBarrier|collective operation timeout", re.IGNORECASE
+)
+_MONITORED_BARRIER_RANKS = re.compile(r"Ranks? ([\d,\s]+?) failed to pass monitoredBarrier", re.IGNORECASE)
 #: Signals a launcher (or sddoctor) sends to stop the survivors after a failure.
 _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
 _WORKER_LOOP = re.compile(r"torch/utils/data/_utils/worker\.py")
@@ -274,6 +281,13 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
             early = _exited_early(state, primary)
             if early is not None:
                 return [early]
+    # The rank that died first may have given up waiting for another; monitored_barrier names the
+    # ranks that did not arrive in the reporting rank's error even when another rank died first.
+    reporters = [r for r, _ in candidates if _MONITORED_BARRIER_RANKS.search(str((r.exception or {}).get("message")))]
+    for waiter in [primary, *sorted(reporters, key=_death_time)]:
+        gave_up = _gave_up_waiting(state, waiter)
+        if gave_up is not None:
+            return [gave_up]
     others = sorted(r.rank for r, _ in candidates if r.rank != primary.rank)
     return [_crash_verdict(state, primary, exit_info, others)]
 
@@ -343,6 +357,71 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
     )
 
 
+def _gave_up_waiting(state: RunState, waiter: RankState) -> Verdict | None:
+    """`waiter` died of its own wait timeout (a process-group timeout shorter than --hang-timeout,
+    or monitored_barrier's report) while other ranks, alive, had not reached the collective it
+    waited in: a hang that the job's own timeout ended. The culprit is a rank that did not arrive."""
+    message = str((waiter.exception or {}).get("message", ""))
+    if not _WAIT_TIMEOUT_TEXT.search(message):
+        return None
+    wanted = _last_seq_wanted(waiter)
+    pg, seq = wanted if wanted is not None else ("0", None)
+    named = _MONITORED_BARRIER_RANKS.search(message)
+    if named:
+        behind = sorted({int(n) for n in re.findall(r"\d+", named.group(1))} - {waiter.rank})
+    elif seq is not None:
+        waited_until = _death_time(waiter)
+        behind = [
+            rank.rank
+            for rank in state.ranks.values()
+            if rank.rank != waiter.rank
+            and (rank.snapshot.issued_on(pg) or 0) < seq
+            and not _ended_cleanly(rank, rank_exit(rank, state))  # that is exited_early
+            and _death_time(rank) >= waited_until - 1.0  # alive while the waiter waited
+        ]
+    else:
+        behind = []
+    if not behind:
+        return None
+    culprit = behind[0]
+    rank = state.ranks.get(culprit)
+    if rank is not None and not (rank.stack or {}).get("top_user_frame"):
+        location, how = _where(rank)  # where it last was; its end came from the job's teardown
+    else:
+        location, how = _absent_rank_position(state, culprit, rank)
+    snap = waiter.snapshot
+    known = [c for c in (snap.failed, *snap.inflight, snap.last_done) if c is not None]
+    waited = next((c for c in known if c.seq == seq and str(c.pg) == str(pg)), None)
+    call = f"#{seq} on group {pg}" if seq is not None else "the collective"
+    if waited is not None:
+        call = f"{waited.op} #{seq} on group {pg}" + (f" (called at {waited.caller})" if waited.caller else "")
+    first_line = (message.strip().splitlines() or [""])[0][:200]
+    timeout = "monitored_barrier's timeout" if named else "the process group's timeout"
+    summary = (
+        f"hang: rank {_join(behind)} never reached {call}; {how}. Rank {waiter.rank} gave up waiting "
+        f"there when {timeout} expired ({first_line}) and the job ended"
+    )
+    if not named:
+        summary += "; a process-group timeout above --hang-timeout lets sddoctor take every rank's stack first"
+    evidence = [
+        f"rank {waiter.rank} raised {(waiter.exception or {}).get('type')}: {message[:300]}",
+        *(
+            f"rank {r}: {state.ranks[r].snapshot.issued_on(pg) or 0} collectives issued on group {pg}"
+            for r in behind
+            if r in state.ranks
+        ),
+    ]
+    details = {
+        "pg": pg,
+        "seq": seq,
+        "missing_ranks": behind,
+        "waiters": [waiter.rank],
+        "ended": "timeout",
+        "waiter_exception": {"type": (waiter.exception or {}).get("type"), "message": message},
+    }
+    return Verdict("hang.missing_rank", "error", summary, culprit, location, details, evidence)
+
+
 def _last_seq_wanted(rank: RankState) -> tuple[str, int] | None:
     """(group, seq) of the collective `rank` was in when it failed: the failed call, else the
     newest call in flight, else the last it issued on the default group."""
@@ -380,7 +459,10 @@ def _crash_verdict(
     exc = rank.exception
     fault = _fault_of(rank, ("kill", "raise"))
     exit_call = (exit_info or {}).get("caller") if not exc else None  # sys.exit(failure) in user code
-    location = _exception_location(exc, rank) or (fault or {}).get("caller") or exit_call or _where(rank)[0]
+    fatal_frame = _fatal_frame(rank)  # where a fatal signal (SIGSEGV, SIGABRT) struck
+    location = (
+        _exception_location(exc, rank) or (fault or {}).get("caller") or exit_call or fatal_frame or _where(rank)[0]
+    )
     step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     nested = nested_traceback(str((exc or {}).get("message", "")))
@@ -404,6 +486,11 @@ def _crash_verdict(
         evidence.append(
             f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"
         )
+    if rank.fatal:
+        evidence.append(
+            f"rank {rank.rank}'s fatal-signal dump ({rank.fatal.get('error')}): its thread was at "
+            f"{fatal_frame or (rank.fatal.get('frames') or ['no Python frame'])[0]}"
+        )
     for failure in state.launcher_failures:
         if failure.get("root_cause"):
             evidence.append(
@@ -422,6 +509,8 @@ def _crash_verdict(
     }
     if exc:
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
+    if rank.fatal:
+        details["fatal"] = rank.fatal
     if nested:
         details["origin"] = {
             "source": nested.source,
@@ -451,6 +540,13 @@ def _crash_verdict(
         details=details,
         evidence=evidence,
     )
+
+
+def _fatal_frame(rank: RankState) -> str | None:
+    """file:line of the user's innermost frame in the rank's fatal-signal dump (else its innermost)."""
+    frames = [f for f in (rank.fatal or {}).get("frames") or [] if isinstance(f, str)]
+    chosen = first_user_frame(frames, roots_of(rank), innermost_first=True) or (frames[0] if frames else None)
+    return chosen.split(" in ")[0].strip() if chosen else None
 
 
 def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:

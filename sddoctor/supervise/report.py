@@ -127,6 +127,11 @@ def headline(report: dict[str, Any]) -> str:
     code = report.get("exit_code")
     if outcome == "preflight_failed":
         return f"sddoctor: the preflight failed (exit code {code}); the job was not launched"
+    if outcome == "usage_error":
+        return (
+            f"sddoctor: a rank stopped the job on a usage error (exit code {code}); see the message above "
+            "(SDDOCTOR_FAULT names a rank outside the world the job turned out to have)"
+        )
     how = f"exit code {code}" if code is not None else "diagnosed from the run directory's files"
     if not verdicts:
         return f"sddoctor: {outcome} ({how}); no problem found"

@@ -105,6 +105,8 @@ class RankState:
     internal_errors: list[dict[str, Any]] = field(default_factory=list)
     #: Where this rank's Python keeps its libraries (from its `start` event; see sddoctor.codepaths).
     code_roots: dict[str, Any] | None = None
+    #: The last fatal-signal dump (`fatal_dump.FatalDump.to_dict()`): {error, frames innermost first}.
+    fatal: dict[str, Any] | None = None
     #: Earlier processes of this rank (torchrun --max-restarts): {pid, exception, exit, step}, oldest first.
     attempts: list[dict[str, Any]] = field(default_factory=list)
 
@@ -128,6 +130,7 @@ class RankState:
         self.pid = pid
         self.exit = None
         self.exception = None
+        self.fatal = None  # a later dump of the new process replaces it (the file is appended to)
         self.alive = None
         self.stack = None
         self.arrivals = {}

@@ -378,7 +378,12 @@ class Supervisor:
         self.verdicts = merge_verdicts(self.hang_verdicts, diagnose(state))
         self.state = state
         job_code = self.job.exit_code
-        if self.killed_for_hang:
+        usage_error = _usage_error(self.opts.run_dir)
+        if usage_error is not None:
+            # a rank stopped the job on a bad SDDOCTOR_FAULT: what followed is not a finding
+            self.hang_verdicts, self.verdicts = [], []
+            code, outcome = exitcodes.USAGE, "usage_error"
+        elif self.killed_for_hang:
             code, outcome = exitcodes.HANG_KILLED, "hang"
         elif self.stopped_by == "interrupt":
             code, outcome = exitcodes.INTERRUPTED, "interrupted"
@@ -466,6 +471,13 @@ class Supervisor:
                 except (OSError, ValueError):
                     continue
             time.sleep(POLL_SECONDS)
+
+
+def _usage_error(run_dir: RunDir) -> str | None:
+    try:
+        return run_dir.usage_error_file.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
 
 
 def remove_empty_files(run_dir: Path) -> None:

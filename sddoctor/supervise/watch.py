@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from sddoctor.supervise.facts import apply_facts
+from sddoctor.supervise.fatal_dump import read_fatal_dump
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
 from sddoctor.telemetry.runinfo import RunOptions
@@ -44,6 +45,7 @@ class Watcher:
         self.ranks: dict[int, RankState] = {}
         self._tails: dict[int, EventTail] = {}
         self._timelines: dict[int, EventTail] = {}  # when each rank arrived at each collective
+        self._fatal_sizes: dict[int, int] = {}  # size of each rank's fatal-signal file when last read
         self._progress_key: dict[int, Any] = {}
         self._last_state_t: dict[int, float] = {}
         self.last_progress: float | None = None
@@ -70,6 +72,21 @@ class Watcher:
             snapshot = read_state(self.run_dir.state_file(rank_id))
             if snapshot is not None:
                 self._on_snapshot(rank, snapshot, now)
+            self._read_fatal_dump(rank)
+
+    def _read_fatal_dump(self, rank: RankState) -> None:
+        """Read the rank's fatal-signal file again whenever it grew (faulthandler appends to it)."""
+        path = self.run_dir.fatal_file(rank.rank)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return
+        if size == 0 or self._fatal_sizes.get(rank.rank) == size:
+            return
+        self._fatal_sizes[rank.rank] = size
+        dump = read_fatal_dump(path)
+        if dump is not None:
+            rank.fatal = dump.to_dict()
 
     def _read_proc_notes(self) -> None:
         """Notes of mp.spawn parents and workers (see sddoctor.instrument.spawn); each read once."""

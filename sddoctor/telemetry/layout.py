@@ -71,6 +71,16 @@ class RunDir:
     def state_file(self, rank: int) -> Path:
         return self.ranks_dir / f"rank-{rank:05d}.state"
 
+    @property
+    def usage_error_file(self) -> Path:
+        """Written by a rank that stopped on a usage error found only once it ran (a fault for a rank
+        outside the world an mp.spawn job turned out to have): the run ends with exit code 2."""
+        return self.path / "usage-error.txt"
+
+    def fatal_file(self, rank: int) -> Path:
+        """Where faulthandler writes the rank's stacks on a fatal signal (SIGSEGV, SIGABRT, ...)."""
+        return self.ranks_dir / f"rank-{rank:05d}.fatal"
+
     def ranks(self) -> list[int]:
         """Global ranks that have written anything, sorted."""
         if not self.ranks_dir.is_dir():

@@ -136,7 +136,8 @@ class StartFields(TypedDict, total=False):
 class StepFields(LastStep, total=False):
     #: when the step ended on the host (on CUDA the event can be written a step later)
     t_end: float
-    #: "ddp" for steps sddoctor inferred from an unchanged DDP program
+    #: "ddp" / "optimizer" for steps sddoctor inferred from an unchanged program (its DDP model, or
+    #: without one its optimizer)
     source: str
 
 

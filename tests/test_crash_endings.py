@@ -1,0 +1,122 @@
+"""How ranks end, from real runs: a job's own timeout that ends a hang before sddoctor declares it,
+monitored_barrier's report, fatal signals, os._exit, and a usage error found only inside the ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from client_fixtures import CLIENTS_BY_NAME
+from supervise_fixtures import run_supervised, script_line, torchrun
+
+from sddoctor.supervise.fatal_dump import parse_fatal_dump, read_fatal_dump
+
+ENDINGS_JOB = """
+import datetime, os, signal, time
+import torch, torch.distributed as dist
+
+mode = os.environ["MODE"]
+timeout = datetime.timedelta(seconds=3 if mode == "pg_timeout" else 60)
+dist.init_process_group("gloo", timeout=timeout)
+rank, world = dist.get_rank(), dist.get_world_size()
+for step in range(1, 6):
+    if step == 3 and rank == world - 1:
+        if mode in ("pg_timeout", "monitored"):
+            time.sleep(30)  # LATE
+        elif mode == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)  # SEGV
+        elif mode == "os_exit":
+            os._exit(3)  # OS_EXIT
+    if mode == "monitored":
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=3))  # MONITORED
+    else:
+        dist.all_reduce(torch.ones(4))  # ALL_REDUCE
+dist.destroy_process_group()
+"""
+
+#: --hang-timeout above the job's own 3 s timeouts: the job ends the wait, not sddoctor
+_PATIENT = ("--hang-timeout", "40", "--on-hang", "kill")
+
+
+def _job(tmp_path):
+    script = tmp_path / "endings.py"
+    script.write_text(ENDINGS_JOB)
+    return script
+
+
+def test_a_process_group_timeout_shorter_than_the_hang_timeout_names_the_late_rank(tmp_path):
+    """Rank 0 raises gloo's "Timed out waiting 3000ms" first; rank 1, asleep, is the culprit."""
+    script = _job(tmp_path)
+    res = run_supervised(tmp_path, torchrun(2, str(script)), options=_PATIENT, env={"MODE": "pg_timeout"})
+    verdicts = [(v["kind"], v["culprit_rank"]) for v in res.report["verdicts"]]
+    assert verdicts == [("hang.missing_rank", 1)], res.report["verdicts"]
+    verdict = res.report["verdicts"][0]
+    assert verdict["details"]["ended"] == "timeout" and verdict["details"]["seq"] == 3
+    assert verdict["location"] == script_line("# ALL_REDUCE", script)  # its last collective's line
+    assert "all_reduce #3" in verdict["summary"] and "timeout" in verdict["summary"]
+
+
+def test_monitored_barrier_names_the_rank_that_did_not_arrive(tmp_path):
+    """Rank 0 reports "Rank 2 failed to pass monitoredBarrier"; rank 1 fails too, naming rank 0."""
+    script = _job(tmp_path)
+    res = run_supervised(tmp_path, torchrun(3, str(script)), options=_PATIENT, env={"MODE": "monitored"})
+    verdicts = [(v["kind"], v["culprit_rank"]) for v in res.report["verdicts"]]
+    assert verdicts == [("hang.missing_rank", 2)], res.report["verdicts"]
+    assert "monitored_barrier" in res.report["verdicts"][0]["summary"]
+
+
+def test_a_fatal_signal_is_located_by_the_ranks_faulthandler_dump(tmp_path):
+    script = _job(tmp_path)
+    res = run_supervised(tmp_path, torchrun(2, str(script)), env={"MODE": "segv"})
+    verdict = res.report["verdicts"][0]
+    assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1), res.report["verdicts"]
+    assert verdict["location"] == script_line("# SEGV", script)
+    assert verdict["details"]["fatal"]["error"] == "Segmentation fault"
+
+
+def test_os_exit_writes_the_exit_and_names_its_line(tmp_path):
+    script = _job(tmp_path)
+    res = run_supervised(tmp_path, torchrun(2, str(script)), env={"MODE": "os_exit"})
+    verdict = res.report["verdicts"][0]
+    assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1), res.report["verdicts"]
+    assert verdict["location"] == script_line("# OS_EXIT", script)
+    log = res.run_dir / "ranks" / "rank-00001.jsonl"
+    exits = [e for e in map(json.loads, log.read_text().splitlines()) if e.get("kind") == "exit"]
+    assert [(e["status"], e["code"]) for e in exits] == [("error", 3)]
+
+
+def test_a_fault_outside_the_world_of_an_mp_spawn_job_is_a_usage_error(tmp_path):
+    """The world size of an mp.spawn job is known only at init_process_group: the ranks stop there
+    with exit code 2, and the run is a usage error, not a crash of the rank that said so."""
+    client = CLIENTS_BY_NAME["spawn"]
+    res = run_supervised(tmp_path, client.command(), env=client.environment(), fault="kill:rank=5,step=2")
+    assert res.returncode == 2, res.stderr
+    assert (res.report["outcome"], res.report["verdicts"]) == ("usage_error", [])
+    assert "outside the world of 2 rank(s)" in res.stderr
+    assert "usage error" in res.stderr
+
+
+def test_the_fatal_dump_of_the_thread_that_crashed_is_read(tmp_path):
+    """faulthandler's real output, with another thread listed first: the "Current thread" is read,
+    and of several dumps in the file (a restarted rank appends), the last."""
+    dump = tmp_path / "rank.fatal"
+    code = f"""
+import faulthandler, os, signal, threading, time
+out = open({str(dump)!r}, "a")
+out.write("Fatal Python error: Aborted\\n\\nCurrent thread 0x0001 (most recent call first):\\n"
+          '  File "old.py", line 1 in old\\n\\n')
+out.flush()
+faulthandler.enable(out, all_threads=True)
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+time.sleep(0.2)
+def crash():
+    os.kill(os.getpid(), signal.SIGSEGV)
+crash()
+"""
+    subprocess.run([sys.executable, "-c", code], check=False, timeout=60)
+    found = read_fatal_dump(dump)
+    assert found is not None and found.error == "Segmentation fault"
+    assert found.frames[0].startswith("<string>:") and found.frames[0].endswith(" in crash")
+    assert parse_fatal_dump("no dump here") is None
+    assert read_fatal_dump(tmp_path / "missing.fatal") is None
