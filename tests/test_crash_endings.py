@@ -120,3 +120,15 @@ crash()
     assert found.frames[0].startswith("<string>:") and found.frames[0].endswith(" in crash")
     assert parse_fatal_dump("no dump here") is None
     assert read_fatal_dump(tmp_path / "missing.fatal") is None
+
+
+def test_an_injected_fault_that_never_fired_is_said(tmp_path):
+    """The run is fine, but a fault meant to test it never happened: that must not read as a pass."""
+    script = _job(tmp_path)
+    res = run_supervised(
+        tmp_path, torchrun(2, str(script)), env={"MODE": "none"}, fault="kill:rank=1,seq=99;sleep:rank=0,seconds=0,seq=2"
+    )
+    assert res.returncode == 0 and res.report["verdicts"] == [], res.stderr
+    assert "the injected fault 'kill:rank=1,seq=99' never fired" in res.stderr
+    assert "'sleep:rank=0,seconds=0,seq=2' never fired" not in res.stderr
+    assert "never fired" in (res.run_dir / "report.md").read_text()

@@ -138,6 +138,25 @@ def headline(report: dict[str, Any]) -> str:
     return f"sddoctor: {outcome} ({how}); {len(verdicts)} finding{'s' if len(verdicts) > 1 else ''}"
 
 
+def unfired_faults(report: dict[str, Any]) -> list[str]:
+    """A line for each injected fault (SDDOCTOR_FAULT in run.json) that no rank fired in a run that
+    has ended: a test of sddoctor whose fault never happened must not read as a clean bill."""
+    spec = (report.get("run") or {}).get("fault")
+    if not isinstance(spec, str) or report.get("outcome") in (None, "running", "usage_error", "preflight_failed"):
+        return []
+    fired = {
+        str(event.get("fault", "")).strip()
+        for rank in (report.get("ranks") or {}).values()
+        for event in (rank or {}).get("faults") or []
+        if isinstance(event, dict)
+    }
+    return [
+        f"the injected fault {fault!r} never fired (its rank never reached that step or collective)"
+        for fault in (part.strip() for part in spec.split(";"))
+        if fault and fault not in fired
+    ]
+
+
 def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
     """The few lines printed at the end of `sddoctor run` and by `sddoctor report`."""
     lines = [headline(report)]
@@ -152,6 +171,7 @@ def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
     problem = (report.get("stacks") or {}).get("problem")
     if problem:
         lines.append(f"  stacks: {problem}")
+    lines += [f"  note: {note}" for note in unfired_faults(report)]
     lines += _preflight_lines(report)
     if run_dir and report.get("diagnosed_offline"):
         lines.append(f"  full report: sddoctor report --markdown {run_dir} (--json for machines)")
@@ -176,6 +196,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     verdicts = report.get("verdicts") or []
     if not verdicts:
         out.append("No problem found.")
+    for note in unfired_faults(report):
+        out += ["", f"Note: {note}."]
     for v in verdicts:
         out.append(f"### {v.get('kind')} ({v.get('severity')})")
         out.append("")
