@@ -46,6 +46,11 @@ class Supervised:
     def report(self) -> dict[str, Any]:
         return json.loads((self.run_dir / "report.json").read_text())
 
+    def events(self, rank: int, kind: str) -> list[dict[str, Any]]:
+        """The rank's telemetry events of one kind, in order."""
+        log = self.run_dir / "ranks" / f"rank-{rank:05d}.jsonl"
+        return [e for e in map(json.loads, log.read_text().splitlines()) if e.get("kind") == kind]
+
     def verdicts(self, kind_prefix: str = "") -> list[dict[str, Any]]:
         return [v for v in self.report["verdicts"] if v["kind"].startswith(kind_prefix)]
 

@@ -3,7 +3,6 @@ monitored_barrier's report, fatal signals, os._exit, and a usage error found onl
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -81,8 +80,7 @@ def test_os_exit_writes_the_exit_and_names_its_line(tmp_path):
     verdict = res.report["verdicts"][0]
     assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1), res.report["verdicts"]
     assert verdict["location"] == script_line("# OS_EXIT", script)
-    log = res.run_dir / "ranks" / "rank-00001.jsonl"
-    exits = [e for e in map(json.loads, log.read_text().splitlines()) if e.get("kind") == "exit"]
+    exits = res.events(1, "exit")
     assert [(e["status"], e["code"]) for e in exits] == [("error", 3)]
 
 

@@ -4,8 +4,6 @@ with os._exit or sys.exit inside mp.spawn."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from client_fixtures import CLIENTS_BY_NAME
 from supervise_fixtures import run_supervised, script_line, torchrun
@@ -50,11 +48,6 @@ dist.destroy_process_group()
 """
 
 
-def _steps(run_dir, rank: int) -> list[dict]:
-    log = run_dir / "ranks" / f"rank-{rank:05d}.jsonl"
-    return [e for e in map(json.loads, log.read_text().splitlines()) if e.get("kind") == "step"]
-
-
 def test_a_program_without_ddp_gets_one_step_per_optimizer_step(tmp_path):
     script = tmp_path / "manual.py"
     script.write_text(MANUAL_ALL_REDUCE_JOB)
@@ -62,7 +55,7 @@ def test_a_program_without_ddp_gets_one_step_per_optimizer_step(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.report["verdicts"] == []
     for rank in (0, 1):
-        steps = _steps(res.run_dir, rank)
+        steps = res.events(rank, "step")
         assert [(s["step"], s["source"]) for s in steps] == [(n, "optimizer") for n in range(1, 7)]
         assert all(s["step_time"] > 0 for s in steps[1:])
     assert res.report["health"]["throughput"]["steps"] == 6
@@ -76,7 +69,7 @@ def test_a_step_fault_fires_in_the_optimizer_step_of_a_program_without_ddp(tmp_p
     res = run_supervised(tmp_path, torchrun(2, str(script)), fault="kill:rank=1,step=3")
     verdicts = [(v["kind"], v["culprit_rank"], v["location"]) for v in res.report["verdicts"]]
     assert verdicts == [("crash", 1, script_line("# OPTIMIZER", script))], res.report["verdicts"]
-    assert [s["step"] for s in _steps(res.run_dir, 1)] == [1, 2]
+    assert [s["step"] for s in res.events(1, "step")] == [1, 2]
 
 
 def test_fsdp2_collectives_are_traced_and_its_steps_counted(tmp_path):
@@ -94,7 +87,7 @@ def test_fsdp2_collectives_are_traced_and_its_steps_counted(tmp_path):
     assert verdicts == [("hang.missing_rank", 1)], res.report["verdicts"]
     rank0 = res.report["ranks"]["0"]
     assert rank0["collectives"]["totals"]["count"] >= 7  # done before the skipped #8
-    assert len(_steps(res.run_dir, 0)) >= 1
+    assert len(res.events(0, "step")) >= 1
 
 
 def test_lightning_steps_are_counted_through_its_validation_loop(tmp_path):
@@ -107,7 +100,7 @@ def test_lightning_steps_are_counted_through_its_validation_loop(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.report["verdicts"] == []
     for rank in (0, 1):
-        assert [s["step"] for s in _steps(res.run_dir, rank)] == list(range(1, 13))
+        assert [s["step"] for s in res.events(rank, "step")] == list(range(1, 13))
 
 
 def test_fork_started_workers_that_finish_are_not_called_killed(tmp_path):
@@ -118,7 +111,7 @@ def test_fork_started_workers_that_finish_are_not_called_killed(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.report["verdicts"] == [], res.report["verdicts"]
     for rank in (0, 1):
-        assert len(_steps(res.run_dir, rank)) == 10
+        assert len(res.events(rank, "step")) == 10
         assert res.report["ranks"][str(rank)]["exit"]["code"] == 0
 
 

@@ -91,8 +91,7 @@ def _no_sddoctor_traceback(res: Supervised) -> None:
 
 
 def _steps(res: Supervised, rank: int) -> list[dict[str, Any]]:
-    path = res.run_dir / "ranks" / f"rank-{rank:05d}.jsonl"
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("kind") == "step"]
+    return res.events(rank, "step")
 
 
 def test_healthy_run_with_gradient_accumulation(runs: dict) -> None:

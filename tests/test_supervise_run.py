@@ -285,8 +285,7 @@ def test_steps_are_inferred_through_the_programs_own_comm_hook(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.report["verdicts"] == []
     for rank in (0, 1):
-        log = res.run_dir / "ranks" / f"rank-{rank:05d}.jsonl"
-        steps = [e for e in map(json.loads, log.read_text().splitlines()) if e.get("kind") == "step"]
+        steps = res.events(rank, "step")
         assert [(s["step"], s["grad_accum"], s.get("samples")) for s in steps] == [
             (n, 2, 16) for n in range(1, 7)
         ], steps
