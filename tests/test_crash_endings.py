@@ -12,7 +12,7 @@ from supervise_fixtures import run_supervised, script_line, torchrun
 from sddoctor.supervise.fatal_dump import parse_fatal_dump, read_fatal_dump
 
 ENDINGS_JOB = """
-import datetime, os, signal, time
+import datetime, os, signal, sys, time
 import torch, torch.distributed as dist
 
 mode = os.environ["MODE"]
@@ -27,6 +27,11 @@ for step in range(1, 6):
             os.kill(os.getpid(), signal.SIGSEGV)  # SEGV
         elif mode == "os_exit":
             os._exit(3)  # OS_EXIT
+        elif mode == "handled":
+            try:
+                raise ValueError("corrupt batch")  # HANDLED
+            except ValueError:
+                sys.exit(1)  # the usual end of a script that reports its own errors
     if mode == "monitored":
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=3))  # MONITORED
     else:
@@ -82,6 +87,17 @@ def test_os_exit_writes_the_exit_and_names_its_line(tmp_path):
     assert verdict["location"] == script_line("# OS_EXIT", script)
     exits = res.events(1, "exit")
     assert [(e["status"], e["code"]) for e in exits] == [("error", 3)]
+
+
+def test_an_exception_the_program_caught_before_exiting_is_what_failed(tmp_path):
+    """`except ...: sys.exit(1)`: the verdict names the exception and its line, not the exit's."""
+    script = _job(tmp_path)
+    res = run_supervised(tmp_path, torchrun(2, str(script)), env={"MODE": "handled"})
+    verdict = res.report["verdicts"][0]
+    assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1), res.report["verdicts"]
+    assert verdict["location"] == script_line("# HANDLED", script)
+    assert "ValueError: corrupt batch" in verdict["summary"]
+    assert [e.get("handled") for e in res.events(1, "exception")] == [True]
 
 
 def test_a_fault_outside_the_world_of_an_mp_spawn_job_is_a_usage_error(tmp_path):

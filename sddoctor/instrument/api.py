@@ -161,21 +161,29 @@ class RankSession:
         at = f"step {where['step']}" if "step" in where else f"collective #{where.get('seq')}"
         raise InjectedFault(str(fault.get("message") or f"injected fault {fault.spec!r} at {at}"))
 
-    def record_exception(self, exc: BaseException, tb: Any) -> None:
-        """An `exception` event for an uncaught exception, flushed at once (the process is dying)."""
+    def record_exception(self, exc: BaseException, tb: Any, *, handled: bool = False) -> None:
+        """An `exception` event for an uncaught exception (or, `handled`, one the program caught
+        before it exited with a failure status), flushed at once (the process is dying)."""
         from sddoctor.instrument.exit_hooks import exception_fields
 
         fields = exception_fields(exc, tb)
         failed = getattr(self.tracer, "last_failed", None)
         if failed is not None and time.time() - failed.t1 < 5.0:
             fields["collective"] = failed.as_dict()  # the exception came out of this collective
+        if handled:
+            fields["handled"] = True
         self.writer.emit(EventKind.EXCEPTION, step=self.current_step, **fields)
         self.mark_exit("error", 1)
         self.writer.flush()
 
-    def note_exit_call(self, caller: str | None, status: object) -> None:
-        """sys.exit(status) with a failure status was called at `caller` (exit_hooks). The first
-        call is kept: multiprocessing's spawn_main calls sys.exit again with the worker's status."""
+    def note_exit_call(self, caller: str | None, status: object, handling: BaseException | None = None) -> None:
+        """sys.exit(status) or os._exit(status) with a failure status was called at `caller`
+        (exit_hooks), while `handling` that exception (`except ...: sys.exit(1)`, the usual end of a
+        script that prints its own traceback): that exception is what failed, and is recorded.
+        The first call is kept: multiprocessing's spawn_main calls sys.exit again with the status."""
+        if self._exit_call is None and handling is not None and not isinstance(handling, SystemExit):
+            self.mark_exit("error", status if isinstance(status, int) else 1)
+            self.record_exception(handling, handling.__traceback__, handled=True)
         self._exit_call = self._exit_call or caller
         self.mark_exit("error", status if isinstance(status, int) else 1)
 

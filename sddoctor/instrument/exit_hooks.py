@@ -112,7 +112,7 @@ def _install_exit_caller() -> None:
                 from sddoctor.instrument.tracing import user_caller  # only on the way out
 
                 # the innermost user frame: argparse's parser.error calls sys.exit for its caller
-                current.note_exit_call(user_caller(), status)
+                current.note_exit_call(user_caller(), status, sys.exc_info()[1])
         except Exception:  # noqa: BLE001 - the exit itself must happen
             pass
         original(status)  # type: ignore[arg-type]
@@ -134,7 +134,7 @@ def _install_os_exit() -> None:
                 if status != 0:
                     from sddoctor.instrument.tracing import user_caller  # only on the way out
 
-                    current.note_exit_call(user_caller(), status)
+                    current.note_exit_call(user_caller(), status, sys.exc_info()[1])
                 current.exit_now("ok" if status == 0 else "error", status)
         except Exception:  # noqa: BLE001 - the exit itself must happen
             pass
