@@ -103,7 +103,7 @@ def test_collective_called_by_rank_0_only_names_its_line(tmp_path):
     (v,) = res.verdicts("hang.")
     assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", 0), v
     assert v["location"] == script_line("# MAIN ONLY", script)
-    assert script_line("# WORLD", script) in v["summary"]  # where rank 1 is
+    assert script_line("# USUAL LINE", script) in v["summary"]  # where rank 1 is
     assert "must be called by every rank" in v["summary"]
 
 

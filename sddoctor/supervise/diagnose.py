@@ -707,14 +707,18 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
         details = {**base, **main.details()}
         return [_frozen_hang(state, frozen, main.waiters, calls, main.where(), details, evidence)]
 
+    # A p2p deadlock first; a rank waiting for a peer stuck in a collective its ranks disagree on
+    # is a consequence of that mismatch (gloo may complete a mismatched call on one side).
     p2p = _p2p_hang(state, calls, stalled, base, evidence)
-    if p2p is not None:
+    if p2p is not None and p2p.kind == "hang.p2p_deadlock":
         return [p2p]
     if main.disagrees(calls):
         details = {**base, **main.details()}
         return [
             _mismatch_verdict(state, main.pg, main.seq, main.waiters, main.out_of_step, calls, details, evidence)
         ]
+    if p2p is not None:
+        return [p2p]
     crossed = [w for w in waits if w.behind]
     if main.behind and (len(crossed) < 2 or _explains(state, main, calls)):
         return [_missing_rank_hang(state, main, calls, stalled, {**base, **main.details()}, evidence)]
