@@ -175,11 +175,14 @@ class _Rec:
 class _Group:
     """Per process group counters (collectives and p2p apart)."""
 
-    __slots__ = ("pg", "name", "seq", "p2p_seq", "current", "pending")
+    __slots__ = ("pg", "name", "members", "seq", "p2p_seq", "current", "pending")
 
-    def __init__(self, pg: Any, name: str) -> None:
+    def __init__(self, pg: Any, name: str, members: list[int] | None = None) -> None:
         self.pg = pg
         self.name = name
+        #: the global ranks of a subgroup (None for the default group): a rank outside it never
+        #: issues its collectives, so the diagnosis compares only these ranks on it
+        self.members = members
         self.seq = 0
         self.p2p_seq = 0
         self.current: _Rec | None = None  # the synchronous call this group is inside
@@ -460,7 +463,7 @@ class Tracer:
     def _new_group(self, group: Any) -> _Group:
         c10d = self._c10d
         if group is not None and not _is_world(c10d, group):
-            st = self._groups[group] = _Group(group, _group_name(c10d, group))
+            st = self._groups[group] = _Group(group, _group_name(c10d, group), _group_ranks(c10d, group))
             return st
         found = self._groups.get(None)
         if found is not None:
@@ -579,7 +582,10 @@ class Tracer:
         now = time.time()
         inflight: list[dict[str, Any]] = []
         issued: dict[str, int] = {}
+        members: dict[str, list[int]] = {}
         for st in list(set(self._groups.values())):
+            if st.members is not None:
+                members[st.name] = st.members
             if st.seq:
                 issued[st.name] = st.seq
             if st.p2p_seq:
@@ -601,6 +607,8 @@ class Tracer:
                 "seconds": round(self.busy_seconds, 6),
             },
         }
+        if members:
+            out["groups"] = members
         last = self.last_done
         if last is not None:
             out["last_done"] = last.as_dict()
@@ -881,6 +889,15 @@ def _is_world(c10d: Any, group: Any) -> bool:
         return group is c10d.GroupMember.WORLD
     except Exception:  # noqa: BLE001
         return False
+
+
+def _group_ranks(c10d: Any, group: Any) -> list[int] | None:
+    """The global ranks of a subgroup, as torch lists them (None when it cannot say)."""
+    try:
+        ranks = c10d.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - an older torch or a group it does not know
+        return None
+    return sorted(int(r) for r in ranks)
 
 
 def _group_name(c10d: Any, pg: Any) -> str:

@@ -15,9 +15,22 @@ from __future__ import annotations
 
 import re
 import signal
+from dataclasses import dataclass, field
 from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
+from sddoctor.supervise.callhistory import (
+    Departure,
+    PartedSites,
+    PeerWait,
+    blocked_call,
+    group_members,
+    is_p2p,
+    left_routine,
+    parted_sites,
+    peer_waits,
+    site_text,
+)
 from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import VERDICT_KINDS, RankState, RunState, Verdict
 from sddoctor.supervise.straggler import diagnose_straggler
@@ -709,10 +722,10 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
 def _position(rank: RankState) -> str:
     if rank.exited:
         return f"rank {rank.rank}: {describe_exit(rank.exit)}"
-    inflight = rank.snapshot.inflight
-    if inflight:
-        c = max(inflight, key=lambda c: c.since or 0.0)
-        return f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}, shapes {c.shapes}) called at {c.caller}"
+    c = blocked_call(rank)
+    if c is not None:
+        peer = f", peer rank {c.peer}" if c.peer is not None else ""
+        return f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}{peer}, shapes {c.shapes}) called at {c.caller}"
     return f"rank {rank.rank}: not in a collective; {_where(rank)[1]}"
 
 
@@ -760,10 +773,14 @@ def in_dataloader(rank: RankState) -> bool:
 
 
 def diagnose_hang(state: RunState) -> list[Verdict]:
-    """Classify a hang by where every rank is: who is missing, who disagrees, or all waiting."""
+    """Classify a hang by where every rank is: who is missing, who disagrees, or all waiting.
+
+    Ranks are compared per process group, among the group's members: a rank inside another
+    group's collective is not out of step on this one. Point-to-point calls are judged by who
+    waits for whom (their numbers count per pair of ranks, not across the group)."""
     stalled = round(state.stalled_for, 1)
     expected = _expected_ranks(state)
-    waiting, calls = _collectives_waited_in(state)
+    calls = _blocked_calls(state)
     evidence = [
         _position(state.ranks[r]) if r in state.ranks else f"rank {r}: never reported" for r in expected
     ]
@@ -773,57 +790,237 @@ def diagnose_hang(state: RunState) -> list[Verdict]:
     if state.hang_declared_by is not None:
         base["declared_by_peer"] = state.hang_declared_by
 
-    if not waiting:
+    if not calls:
         return [_hang_outside_collectives(state, expected, stalled, base, evidence)]
-
-    # The collective most ranks wait in is "#k"; everyone else is "missing" from it.
-    (pg, seq), waiters = max(waiting.items(), key=lambda kv: (len(kv[1]), kv[0][1]))
-    call = calls[waiters[0]]
-    where_call = f"{call.op} #{seq} on pg {pg} (called at {call.caller})"
-    not_waiting = [r for r in expected if r not in waiters]
-    out_of_step = [r for r in not_waiting if r in calls]  # waiting, but in another collective
-    absent = [r for r in not_waiting if r not in calls]
-    details = {**base, "pg": pg, "seq": seq, "op": call.op, "waiting_ranks": sorted(waiters)}
+    waits = _group_waits(state, calls, expected)
+    main = _main_wait(state, waits, calls)
 
     # A rank whose heartbeat stopped is frozen (SIGSTOP, a debugger, native code holding the GIL,
     # D state): its snapshot is stale, so its seq cannot be compared; it is the culprit either way.
     live = [r for r in expected if r in state.ranks and not state.ranks[r].exited]
     frozen = _frozen_ranks(state, live)
     if frozen and len(frozen) < len(live):
-        return [_frozen_hang(state, frozen, waiters, calls, where_call, details, evidence)]
+        details = {**base, **main.details()}
+        return [_frozen_hang(state, frozen, main.waiters, calls, main.where(), details, evidence)]
 
-    # Ranks that wait in the same seq but disagree on op/shapes.
-    signatures = {f"{calls[r].op} {calls[r].shapes}" for r in waiters}
-    if len(signatures) > 1 or out_of_step:
-        return [_mismatch_verdict(state, pg, seq, waiters, out_of_step, calls, details, evidence)]
+    # A p2p deadlock first; a rank waiting for a peer stuck in a collective its ranks disagree on
+    # is a consequence of that mismatch (gloo may complete a mismatched call on one side).
+    p2p = _p2p_hang(state, calls, stalled, base, evidence)
+    if p2p is not None and p2p.kind == "hang.p2p_deadlock":
+        return [p2p]
+    if main.disagrees(calls):
+        details = {**base, **main.details()}
+        return [
+            _mismatch_verdict(state, main.pg, main.seq, main.waiters, main.out_of_step, calls, details, evidence)
+        ]
+    if p2p is not None:
+        return [p2p]
+    crossed = [w for w in waits if w.behind]
+    if main.behind and (len(crossed) < 2 or _explains(state, main, calls)):
+        return [_missing_rank_hang(state, main, calls, stalled, {**base, **main.details()}, evidence)]
+    if crossed:
+        return [_crossed_groups_hang(state, crossed, calls, stalled, base, evidence)]
 
-    if absent:
-        return [_missing_rank_hang(state, absent, pg, waiters, where_call, stalled, details, evidence)]
-
-    # Everyone is inside the same collective with the same signature: the collective is stuck.
+    # Everyone is inside the same call with the same signature: the communication is stuck.
+    details = {**base, **main.details()}
     if state.flight_recorder:
         details["flight_recorder"] = state.flight_recorder
     summary = (
-        f"hang: all {len(waiters)} ranks wait inside {where_call} for {stalled:.0f} s with matching "
+        f"hang: all {len(main.waiters)} ranks wait inside {main.where()} for {stalled:.0f} s with matching "
         "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
     )
-    return [Verdict("hang.comm", "error", summary, None, call.caller, details, evidence)]
+    return [Verdict("hang.comm", "error", summary, None, main.call.caller, details, evidence)]
 
 
-def _collectives_waited_in(
-    state: RunState,
-) -> tuple[dict[tuple[str, int], list[int]], dict[int, Collective]]:
-    """The collective each live rank is stuck in (per rank, the highest seq in flight), and the
-    ranks waiting in each (pg, seq)."""
-    waiting: dict[tuple[str, int], list[int]] = {}
+def _blocked_calls(state: RunState) -> dict[int, Collective]:
+    """The call each live rank is blocked in (see `callhistory.blocked_call`)."""
     calls: dict[int, Collective] = {}
     for one in state.ranks.values():
-        if one.exited or not one.snapshot.inflight:
-            continue
-        c = max(one.snapshot.inflight, key=lambda c: c.seq or 0)
-        calls[one.rank] = c
-        waiting.setdefault((c.pg, c.seq or 0), []).append(one.rank)
-    return waiting, calls
+        call = None if one.exited else blocked_call(one)
+        if call is not None:
+            calls[one.rank] = call
+    return calls
+
+
+@dataclass
+class _GroupWait:
+    """Ranks waiting inside one collective (pg, seq), and the members of its group that are not:
+    `behind` never issued it; `out_of_step` are in another call of the same group, or issued
+    past it (they paired it with a different call of theirs)."""
+
+    pg: str
+    seq: int
+    call: Collective
+    waiters: list[int]
+    members: list[int]
+    behind: list[int] = field(default_factory=list)
+    out_of_step: list[int] = field(default_factory=list)
+
+    def where(self) -> str:
+        return f"{self.call.op} #{self.seq} on pg {self.pg} (called at {self.call.caller})"
+
+    def details(self) -> dict[str, Any]:
+        details: dict[str, Any] = {"pg": self.pg, "seq": self.seq, "op": self.call.op}
+        details["waiting_ranks"] = sorted(self.waiters)
+        return details
+
+    def disagrees(self, calls: dict[int, Collective]) -> bool:
+        if is_p2p(self.call):
+            return False  # a send and its recv differ by nature; p2p numbers count per pair
+        signatures = {f"{calls[r].op} {calls[r].shapes}" for r in self.waiters}
+        return len(signatures) > 1 or bool(self.out_of_step)
+
+
+def _group_waits(state: RunState, calls: dict[int, Collective], expected: list[int]) -> list[_GroupWait]:
+    """Every (pg, seq) some rank is blocked in, most waiters first; p2p calls only when no rank is
+    in a collective (their numbers are per pair of ranks, so only the pair is compared)."""
+    collective = {r: c for r, c in calls.items() if not is_p2p(c)} or calls
+    by_call: dict[tuple[str, int], list[int]] = {}
+    for r, c in collective.items():
+        by_call.setdefault((c.pg, c.seq or 0), []).append(r)
+    waits = []
+    for (pg, seq), waiters in by_call.items():
+        members = group_members(state, pg, expected)
+        wait = _GroupWait(pg, seq, calls[waiters[0]], sorted(waiters), members)
+        for r in members:
+            if r in waiters or is_p2p(wait.call):
+                continue
+            mine = calls.get(r)
+            rank = state.ranks.get(r)
+            passed = rank is not None and not rank.exited and (rank.snapshot.issued_on(pg) or 0) >= seq
+            if (mine is not None and mine.pg == pg) or passed:
+                wait.out_of_step.append(r)
+            else:
+                wait.behind.append(r)
+        waits.append(wait)
+    return sorted(waits, key=lambda w: (len(w.waiters), w.seq), reverse=True)
+
+
+def _main_wait(state: RunState, waits: list[_GroupWait], calls: dict[int, Collective]) -> _GroupWait:
+    """The collective to explain: one whose ranks disagree, else one a rank is missing from that is
+    not itself blocked in a collective, else one a rank skipped (it left its routine to go where it
+    is), else the one most ranks wait in."""
+    for wait in waits:
+        if wait.disagrees(calls):
+            return wait
+    for wait in waits:
+        if any(r not in calls or is_p2p(calls[r]) for r in wait.behind):
+            return wait
+    for wait in waits:
+        if any(_departure(state, r, calls) is not None for r in wait.behind):
+            return wait
+    return waits[0]
+
+
+def _departure(state: RunState, r: int, calls: dict[int, Collective]) -> Departure | None:
+    rank = state.ranks.get(r)
+    return left_routine(rank, calls[r]) if rank is not None and r in calls else None
+
+
+def _explains(state: RunState, wait: _GroupWait, calls: dict[int, Collective]) -> bool:
+    """Whether a rank missing from `wait` is the cause: it is not blocked in another collective
+    (it computes, loads data, waits in a p2p call or exited), or it left its routine to get there."""
+    return any(
+        r not in calls or is_p2p(calls[r]) or _departure(state, r, calls) is not None for r in wait.behind
+    )
+
+
+def _call_text(call: Collective) -> str:
+    """"recv from rank 1 #4 on pg 0:p2p (called at file:line)"."""
+    peer = ""
+    if call.peer is not None:
+        peer = f" {'to' if call.op in ('send', 'isend') else 'from'} rank {call.peer}"
+    return f"{call.op}{peer} #{call.seq} on pg {call.pg} (called at {call.caller})"
+
+
+def _departure_text(r: int, departure: Departure) -> str:
+    text = f"rank {r} called {site_text(departure.current)} right after {site_text(departure.previous)}"
+    if departure.usual is not None:
+        return text + f"; every earlier time it called {site_text(departure.usual)} next: it skipped that call"
+    return text + ", which it never did before"
+
+
+def _p2p_hang(
+    state: RunState, calls: dict[int, Collective], stalled: float, base: dict[str, Any], evidence: list[str]
+) -> Verdict | None:
+    """Ranks blocked in send/recv: a cycle of ranks each waiting for the next is a deadlock; a rank
+    waiting for a peer that is elsewhere (in a collective, computing, exited) names that peer."""
+    waits = peer_waits(calls)
+    cycle = next((w for w in waits if w.cycle), None)
+    if cycle is not None:
+        return _p2p_deadlock(state, cycle.cycle, waits, calls, stalled, base, evidence)
+    blocked = next((w for w in waits if w.blocker is not None), None)
+    if blocked is None or blocked.blocker is None:
+        return None
+    waiter, peer = blocked.chain[-1], blocked.blocker
+    rank = state.ranks.get(peer)
+    if peer in calls:
+        location, how = calls[peer].caller, f"it is inside {_call_text(calls[peer])}"
+    else:
+        location, how = _absent_rank_position(state, peer, rank)
+    summary = (
+        f"hang: rank {waiter} waits in {_call_text(calls[waiter])} for rank {peer}, which never makes the matching "
+        f"call; {how}. No progress for {stalled:.0f} s"
+    )
+    details = {**base, "pg": calls[waiter].pg, "op": calls[waiter].op, "waiting_ranks": blocked.chain}
+    details.update(missing_ranks=[peer], calls={str(r): calls[r].to_dict() for r in blocked.chain})
+    return Verdict("hang.missing_rank", "error", summary, peer, location, details, evidence)
+
+
+def _p2p_deadlock(
+    state: RunState,
+    cycle: list[int],
+    waits: list[PeerWait],
+    calls: dict[int, Collective],
+    stalled: float,
+    base: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """Each rank of `cycle` waits in a send or recv for the next one, which waits too: a deadlock of
+    the program's own point-to-point order. A lone rank of the cycle that left its routine (a
+    skipped send) is the culprit."""
+    departures = {r: d for r in cycle if (d := _departure(state, r, calls)) is not None}
+    culprit = next(iter(departures)) if len(departures) == 1 else None
+    ring = "; ".join(f"rank {r} waits in {_call_text(calls[r])}" for r in cycle)
+    summary = (
+        f"hang: point-to-point deadlock for {stalled:.0f} s: {ring}. Each waits for the next, so none "
+        "of their calls can complete: the ranks' send/recv order does not match"
+    )
+    if culprit is not None:
+        summary += f". R{_departure_text(culprit, departures[culprit])[1:]}"
+    waiting = sorted({r for w in waits for r in w.chain if r not in cycle})
+    if waiting:
+        summary += f". Rank {_join(waiting)} wait{'s' if len(waiting) == 1 else ''} on them"
+    summary += (
+        "; pair every send with a recv in the same order on both ranks (or post both sides with "
+        "isend/irecv or batch_isend_irecv)"
+    )
+    location = calls[culprit if culprit is not None else cycle[0]].caller
+    details = {**base, "deadlock_ranks": cycle, "waiting_ranks": waiting}
+    details["calls"] = {str(r): calls[r].to_dict() for r in sorted(set(cycle) | set(waiting))}
+    return Verdict("hang.p2p_deadlock", "error", summary, culprit, location, details, evidence)
+
+
+def _crossed_groups_hang(
+    state: RunState,
+    crossed: list[_GroupWait],
+    calls: dict[int, Collective],
+    stalled: float,
+    base: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """Ranks blocked in collectives of different groups, each waiting for a member that is inside
+    another group's collective, and no rank's own record says which one left its routine."""
+    parts = [
+        f"rank {_join(w.waiters)} in {w.where()}, which rank {_join(w.behind)} never reached" for w in crossed
+    ]
+    summary = (
+        f"hang for {stalled:.0f} s: ranks wait in collectives of different process groups for each "
+        f"other: {'; '.join(parts)}. The groups' collectives are called in a different order on "
+        "different ranks"
+    )
+    details = {**base, "groups": [{**w.details(), "missing_ranks": w.behind} for w in crossed]}
+    return Verdict("hang.mismatch", "error", summary, None, None, details, evidence)
 
 
 def _hang_outside_collectives(
@@ -887,20 +1084,27 @@ def _frozen_hang(
 
 def _missing_rank_hang(
     state: RunState,
-    absent: list[int],
-    pg: str,
-    waiters: list[int],
-    where_call: str,
+    wait: _GroupWait,
+    calls: dict[int, Collective],
     stalled: float,
     details: dict[str, Any],
     evidence: list[str],
 ) -> Verdict:
-    """Some ranks never reached the collective the others wait in: name one of them and where it is."""
-    culprits = absent
+    """Some members of a group never reached the collective the others wait in: name one of them
+    and where it is (inside another group's call, it is named with the call it skipped)."""
+    culprits = wait.behind
     loaders = [r for r in culprits if r in state.ranks and in_dataloader(state.ranks[r])]
-    culprit_rank = _pick_culprit(state, culprits, ("skip",))
+    elsewhere = [r for r in culprits if r in calls and not is_p2p(calls[r])]
+    skipped = [r for r in elsewhere if _departure(state, r, calls) is not None]
+    free = [r for r in culprits if r not in elsewhere]
+    culprit_rank = _pick_culprit(state, skipped or free or culprits, ("skip",))
     rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
     location, how = _absent_rank_position(state, culprit_rank, rank)
+    if culprit_rank in elsewhere:
+        how += f"; it is inside {_call_text(calls[culprit_rank])} instead"
+        departure = _departure(state, culprit_rank, calls)
+        if departure is not None:
+            how += f" ({_departure_text(culprit_rank, departure)})"
     worker = _worker_frame(rank) if loaders and rank is not None else None
     if worker is not None:
         location = worker["top_user_frame"]
@@ -915,12 +1119,16 @@ def _missing_rank_hang(
         )
     kind = "hang.dataloader" if loaders else "hang.missing_rank"
     stuck = " is stuck in its DataLoader and" if loaders else ""
+    waiters = wait.waiters
     summary = (
-        f"hang: rank {culprit_rank}{stuck} never reached {where_call}; {how}. "
+        f"hang: rank {culprit_rank}{stuck} never reached {wait.where()}; {how}. "
         f"Rank{'s' if len(waiters) > 1 else ''} {_join(sorted(waiters))} "
         f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
     )
-    details.update(missing_ranks=culprits, culprit_issued=rank.snapshot.issued_on(pg) if rank else None)
+    if wait.members != _expected_ranks(state):
+        details["group_members"] = wait.members
+    issued = rank.snapshot.issued_on(wait.pg) if rank else None
+    details.update(missing_ranks=culprits, culprit_issued=issued)
     return Verdict(kind, "error", summary, culprit_rank, location, details, evidence)
 
 
@@ -1046,21 +1254,35 @@ def _mismatch_verdict(
     details: dict[str, Any],
     evidence: list[str],
 ) -> Verdict:
+    """Ranks disagree on a collective: the minority, else the rank(s) that called a site the others
+    never call where their calls parted, else the rank whose shapes changed at a call site."""
     involved = sorted(set(waiters) | set(out_of_step))
     groups: dict[str, list[int]] = {}
     for r in involved:
         c = calls[r]
         groups.setdefault(f"{c.op} #{c.seq} shapes {c.shapes}", []).append(r)
     minority = min(groups.values(), key=len) if len(groups) > 1 else []
-    suspects = (
-        minority
-        if len(minority) < len(involved) / 2
-        else [r for r in involved if _shape_changed(state, r, calls[r])]
-    )
+    parted = parted_sites(state, pg, involved, calls)
+    odd = sorted(parted.odd) if parted is not None and len(parted.odd) < len(parted.sites) else []
+    if minority and len(minority) < len(involved) / 2:
+        suspects = minority
+    else:
+        suspects = odd or [r for r in involved if _shape_changed(state, r, calls[r])]
     culprit = _pick_culprit(state, suspects or involved, ("shape", "skip"), require_evidence=not suspects)
-    parts = [f"rank {r}: {calls[r].op} #{calls[r].seq} shapes {calls[r].shapes}" for r in involved]
+    parts = [
+        f"rank {r}: {calls[r].op} #{calls[r].seq} shapes {calls[r].shapes} at {calls[r].caller}" for r in involved
+    ]
     summary = f"hang: ranks disagree on collective #{seq} (pg {pg}): " + "; ".join(parts)
     location = calls[culprit].caller if culprit is not None and culprit in calls else None
+    if parted is not None:
+        summary += f". {_parted_text(parted)}"
+        if culprit in parted.odd:
+            location = parted.sites[culprit][1] or location
+        details["parted_at"] = {
+            "seq": parted.seq,
+            "sites": {str(r): {"op": op, "caller": caller} for r, (op, caller) in parted.sites.items()},
+            "odd_ranks": sorted(parted.odd),
+        }
     details.update(calls={str(r): calls[r].to_dict() for r in involved}, out_of_step_ranks=out_of_step)
     fault = _fault_of(state.ranks[culprit], ("shape", "skip")) if culprit in state.ranks else None
     if fault:
@@ -1069,6 +1291,22 @@ def _mismatch_verdict(
         )
         location = location or fault.get("caller")
     return Verdict("hang.mismatch", "error", summary, culprit, location, details, evidence)
+
+
+def _parted_text(parted: PartedSites) -> str:
+    """Where the ranks' calls parted, naming every rank's call site there."""
+    said = []
+    for r, site in sorted(parted.sites.items()):
+        never = parted.odd.get(r)
+        tail = f", which rank {_join(never)} never call{'s' if len(never) == 1 else ''}" if never else ""
+        said.append(f"rank {r} called {site_text(site)}{tail}")
+    text = f"The ranks' calls parted at #{parted.seq}: " + "; ".join(said)
+    if parted.odd:
+        return text + (
+            ". A collective that only some ranks reach (under `if rank == 0`, `is_main_process` or "
+            "`is_global_zero`, or a callback run on one rank) must be called by every rank"
+        )
+    return text + ": every rank calls these sites, in a different order"
 
 
 def _shape_changed(state: RunState, rank_id: int, call: Collective) -> bool:
@@ -1098,6 +1336,9 @@ def _mismatch_from_sightings(state: RunState) -> Verdict | None:
             continue
         if len({f"{c.op} {c.shapes}" for c in calls.values()}) > 1:
             return _mismatch_verdict(state, pg, seq, sorted(calls), [], calls, {"pg": pg, "seq": seq}, [])
+    routine = _routine_broken(state)
+    if routine is not None:
+        return routine
     # No two sightings of the same seq: fall back on an injected shape fault, if one fired.
     for rank in state.ranks.values():
         fault = _fault_of(rank, ("shape",))
@@ -1112,6 +1353,32 @@ def _mismatch_from_sightings(state: RunState) -> Verdict | None:
                 [f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"],
             )
     return None
+
+
+def _routine_broken(state: RunState) -> Verdict | None:
+    """The one rank whose last recorded call broke its own routine (see `left_routine`), when no two
+    ranks' records of the same call can be compared (the aborted rank died before writing them)."""
+    broken = []
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        sightings = [(a.enqueue, pg, seq, a) for pg, by_seq in rank.arrivals.items() for seq, a in by_seq.items()]
+        if not sightings:
+            continue
+        _, pg, seq, last = max(sightings, key=lambda s: s[0])
+        call = Collective(pg=pg, seq=seq, op=last.op, shapes=last.shapes, caller=last.caller, since=last.enqueue)
+        departure = left_routine(rank, call)
+        if departure is not None:
+            broken.append((rank.rank, call, departure))
+    if len(broken) != 1:
+        return None
+    culprit, call, departure = broken[0]
+    summary = (
+        f"ranks disagree on collective #{call.seq} (pg {call.pg}): {_departure_text(culprit, departure)}, so its "
+        f"#{call.seq} met a different call of the other ranks"
+    )
+    location = departure.usual[1] if departure.usual is not None else call.caller
+    sighted = {"pg": call.pg, "seq": call.seq, "op": call.op, "shapes": call.shapes, "caller": call.caller}
+    details = {"pg": call.pg, "seq": call.seq, "calls": {str(culprit): sighted}}
+    return Verdict("hang.mismatch", "error", summary, culprit, location, details, [])
 
 
 def _pick_culprit(

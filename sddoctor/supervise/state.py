@@ -20,6 +20,7 @@ VERDICT_KINDS = (
     "oom",
     "hang.mismatch",
     "hang.missing_rank",
+    "hang.p2p_deadlock",
     "hang.dataloader",
     "hang.comm",
     "hang.unknown",

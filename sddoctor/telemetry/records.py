@@ -54,6 +54,7 @@ class Collectives(TypedDict, total=False):
     last_done: CollectiveRecord
     failed: CollectiveRecord
     issued: dict[str, int]
+    groups: dict[str, list[int]]
     totals: CollectiveTotals
     ddp: DdpTotals
     recent: list[CollectiveRecord]

@@ -56,6 +56,8 @@ class Collective:
     duration: float | None = None
     #: returned before the collective finished (async_op, isend/irecv, CUDA tensors)
     is_async: bool = False
+    #: the other rank of a point-to-point call (send's dst, recv's src)
+    peer: int | None = None
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -71,6 +73,7 @@ class Collective:
             t=_num(record.get("t")),
             duration=_num(record.get("duration")),
             is_async=record.get("async") is True,
+            peer=_int(record.get("peer")),
             record=record,
         )
 
@@ -168,6 +171,8 @@ class RankSnapshot:
     failed: Collective | None = None
     #: the last seq issued per process group ("0", "0:p2p", ...)
     issued: Mapping[str, int] = field(default_factory=dict)
+    #: the global ranks of each subgroup the rank used (the default group is not listed)
+    groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     #: completed traced calls since the start: how many, and their wall seconds
     total_count: float | None = None
     total_seconds: float | None = None
@@ -207,6 +212,11 @@ class RankSnapshot:
             last_done=_collective(colls.get("last_done")),
             failed=_collective(colls.get("failed")),
             issued={str(k): v for k, v in issued.items() if _int(v) is not None},
+            groups={
+                str(k): tuple(r for r in v if _int(r) is not None)
+                for k, v in _dict(colls.get("groups")).items()
+                if isinstance(v, list)
+            },
             total_count=_num(totals.get("count")),
             total_seconds=_num(totals.get("seconds")),
             ddp_buckets=_num(_dict(colls.get("ddp")).get("buckets")),
