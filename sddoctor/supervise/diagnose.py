@@ -488,27 +488,7 @@ def _crash_verdict(
         summary += f" at {location}"
     if others:
         summary += f"; rank{'s' if len(others) > 1 else ''} {_join(others)} stopped as a consequence"
-    evidence = []
-    if exit_info:
-        evidence.append(
-            f"rank {rank.rank} {describe_exit(exit_info)} (source: {exit_info.get('source', '?')})"
-        )
-    if exc:
-        evidence.append(f"exception event of rank {rank.rank}: {exc.get('type')}: {exc.get('message')}")
-    if fault:
-        evidence.append(
-            f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"
-        )
-    if rank.fatal:
-        evidence.append(
-            f"rank {rank.rank}'s fatal-signal dump ({rank.fatal.get('error')}): its thread was at "
-            f"{fatal_frame or (rank.fatal.get('frames') or ['no Python frame'])[0]}"
-        )
-    for failure in state.launcher_failures:
-        if failure.get("root_cause"):
-            evidence.append(
-                f"launcher's first observed failure: rank {failure.get('rank')} exitcode {failure.get('exitcode')}"
-            )
+    evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
     traceback = exc.get("traceback") if exc else None
     if not traceback and len(state.ranks) <= 1:
         traceback = last_traceback(state.stderr_tail)
@@ -553,6 +533,36 @@ def _crash_verdict(
         details=details,
         evidence=evidence,
     )
+
+
+def _crash_evidence(
+    state: RunState,
+    rank: RankState,
+    exit_info: dict[str, Any] | None,
+    fault: dict[str, Any] | None,
+    fatal_frame: str | None,
+) -> list[str]:
+    """What the crash verdict rests on: the exit, the exception, an injected fault, the fatal-signal
+    dump and the launcher's own account."""
+    evidence = []
+    if exit_info:
+        evidence.append(f"rank {rank.rank} {describe_exit(exit_info)} (source: {exit_info.get('source', '?')})")
+    exc = rank.exception
+    if exc:
+        evidence.append(f"exception event of rank {rank.rank}: {exc.get('type')}: {exc.get('message')}")
+    if fault:
+        evidence.append(f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}")
+    if rank.fatal:
+        evidence.append(
+            f"rank {rank.rank}'s fatal-signal dump ({rank.fatal.get('error')}): its thread was at "
+            f"{fatal_frame or (rank.fatal.get('frames') or ['no Python frame'])[0]}"
+        )
+    for failure in state.launcher_failures:
+        if failure.get("root_cause"):
+            evidence.append(
+                f"launcher's first observed failure: rank {failure.get('rank')} exitcode {failure.get('exitcode')}"
+            )
+    return evidence
 
 
 def _fatal_frame(rank: RankState) -> str | None:
