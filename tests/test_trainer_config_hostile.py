@@ -41,6 +41,7 @@ FREE_TEXT = (
     "output.dir",
     "sample.prompts",
     "lora.target_modules",
+    "lora.text_encoder_targets",
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +22,13 @@ from trainer.lora import (
     LoraError,
     adapter_state,
     add_lora,
+    add_text_encoder_lora,
     diffusers_adapter,
+    load_text_encoder_state,
     load_unet_state,
+    plain_text_encoder,
     plain_unet,
+    text_encoder_state,
     unet_state,
 )
 from trainer.models import build_models, load_models
@@ -41,17 +46,21 @@ def output(unet: torch.nn.Module, seed: int = 0) -> torch.Tensor:
         return unet.eval()(*unet_inputs(seed)).sample
 
 
-def trained_lora_unet(seed: int = 3) -> tuple[torch.nn.Module, str]:
-    """A tiny UNet with adapters whose B matrices are not zero (as after some training)."""
+def with_trained_adapters(part: str, add: Any, cfg: LoraConfig, seed: int) -> tuple[Any, str]:
+    """A tiny model's `part` with adapters whose B matrices are not zero (as after some training)."""
     torch.manual_seed(seed)
-    unet = build_models("tiny").unet
-    base = add_lora(unet, LORA)
+    module = getattr(build_models("tiny"), part)
+    base = add(module, cfg)
     assert base is not None
     with torch.no_grad():
-        for name, p in unet.named_parameters():
+        for name, p in module.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    return unet, base
+    return module, base
+
+
+def trained_lora_unet(seed: int = 3) -> tuple[torch.nn.Module, str]:
+    return with_trained_adapters("unet", add_lora, LORA, seed)
 
 
 def test_only_adapters_train_and_the_start_is_the_base_model():
@@ -232,3 +241,132 @@ def test_lora_resume_repeats_the_losses(lora_run, tmp_path):
     for rank in (0, 1):
         assert losses(resumed, rank) == {s: v for s, v in losses(out, rank).items() if s > 4}
     assert [s for s, _ in list_checkpoints(resumed / "checkpoints")] == [STEPS]
+
+
+# -- the text encoder's adapters ------------------------------------------------------------
+
+TEXT_LORA = LoraConfig(rank=4, alpha=8.0, text_encoder=True)
+
+
+def text_output(text_encoder: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[3, 17, 25, 9, 2, 0, 0, 0]])
+    with torch.no_grad():
+        return text_encoder.eval()(ids)[0]
+
+
+def trained_text_encoder(seed: int = 3) -> tuple[torch.nn.Module, str]:
+    return with_trained_adapters("text_encoder", add_text_encoder_lora, TEXT_LORA, seed)
+
+
+def test_text_encoder_adapters_only_train_start_at_the_base_and_merge():
+    torch.manual_seed(0)
+    text_encoder = build_models("tiny").text_encoder
+    before = text_output(text_encoder)
+    assert add_text_encoder_lora(text_encoder, LoraConfig(rank=4)) is None  # lora.text_encoder off
+    assert add_text_encoder_lora(text_encoder, TEXT_LORA) is not None
+    trainable = [n for n, p in text_encoder.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "k_proj", "v_proj", "out_proj"}
+    assert torch.equal(text_output(text_encoder), before)
+
+    adapted_encoder, base = trained_text_encoder()
+    adapted = text_output(adapted_encoder)
+    merged = plain_text_encoder(adapted_encoder, merge=True)
+    assert not any("lora" in k for k in merged.state_dict())
+    torch.testing.assert_close(text_output(merged), adapted, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(text_output(plain_text_encoder(adapted_encoder, merge=False)), adapted)
+    with pytest.raises(LoraError, match=r"\['nowhere'\] match no layer of this text encoder; .*q_proj"):
+        add_text_encoder_lora(
+            build_models("tiny").text_encoder,
+            LoraConfig(rank=2, text_encoder=True, text_encoder_targets=["nowhere"]),
+        )
+
+
+def test_text_encoder_checkpoint_state_refuses_what_does_not_fit():
+    text_encoder, base = trained_text_encoder()
+    state = text_encoder_state(text_encoder, base)
+    other, other_base = trained_text_encoder(seed=3)
+    with torch.no_grad():
+        for p in adapter_state(other).values():
+            p.zero_()
+    load_text_encoder_state(other, state, other_base)
+    torch.testing.assert_close(text_output(other), text_output(text_encoder))
+    assert text_encoder_state(text_encoder, None) == {}
+    load_text_encoder_state(other, {}, None)  # neither has adapters
+    with pytest.raises(ValueError, match="another base text encoder"):
+        load_text_encoder_state(other, {**state, "text_encoder_lora_base": "0" * 64}, other_base)
+    with pytest.raises(ValueError, match="holds no text encoder adapters"):
+        load_text_encoder_state(other, {}, other_base)
+    with pytest.raises(ValueError, match="does not train them"):
+        load_text_encoder_state(other, state, None)
+
+
+def test_text_encoder_lora_needs_unet_lora_and_no_ema():
+    from trainer.config import Config, ConfigError, validate
+
+    cfg = Config()
+    cfg.lora.text_encoder = True
+    with pytest.raises(ConfigError, match="lora.text_encoder.*lora.rank > 0"):
+        validate(cfg)
+    cfg.lora.rank = 4
+    cfg.train.ema_decay = 0.999
+    with pytest.raises(ConfigError, match="train.ema_decay.*UNet's weights only"):
+        validate(cfg)
+    cfg.train.ema_decay = 0.0
+    validate(cfg)
+
+
+TEXT_RUN = [
+    "train.max_steps=4",
+    "checkpoint.every=2",
+    "train.ema_decay=0",
+    "lora.text_encoder=true",
+    "lora.text_encoder_lr=5e-3",
+    "train.caption_dropout=0.25",
+]
+
+
+@pytest.fixture(scope="module")
+def text_lora_run(lora_run, tmp_path_factory) -> tuple[Path, Path, Path]:
+    base, _, cache, _ = lora_run
+    out = tmp_path_factory.mktemp("text-lora") / "run"
+    train(base, out, cache, *TEXT_RUN)
+    return base, out, cache
+
+
+@pytest.mark.slow
+def test_text_encoder_lora_run_exports_what_diffusers_reloads_and_resumes_exactly(text_lora_run, tmp_path):
+    """Both models' adapters train under DDP (the cached latents are used, the cached text is not),
+    the export reloads in diffusers with the trainer's text encoder and UNet outputs, and a resume
+    repeats the losses."""
+    from diffusers import StableDiffusionPipeline
+
+    base, out, cache = text_lora_run
+    shared, _, _ = load_checkpoint(Resume(out / "checkpoints" / "step-00000004", 4, 2, True), 0)
+    assert shared["text_encoder_lora_base"] and set(shared["text_encoder_lora"])
+    assert all(v.abs().sum() > 0 for k, v in shared["text_encoder_lora"].items() if ".lora_B." in k)
+    unet_lr, text_lr = (g["lr"] for g in shared["optimizer"]["param_groups"])
+    assert text_lr == pytest.approx(unet_lr * 5e-3 / 1e-2)  # lora.text_encoder_lr, under the same schedule
+
+    models = load_models(str(base))
+    unet_base = add_lora(models.unet, LORA)
+    text_base = add_text_encoder_lora(models.text_encoder, TEXT_LORA)
+    load_unet_state(models.unet, shared, unet_base)
+    load_text_encoder_state(models.text_encoder, shared, text_base)
+    pipe = StableDiffusionPipeline.from_pretrained(base)
+    pipe.load_lora_weights(out / "export")
+    torch.testing.assert_close(text_output(pipe.text_encoder), text_output(models.text_encoder))
+    torch.testing.assert_close(output(pipe.unet), output(models.unet), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(
+        text_output(pipe.text_encoder), text_output(load_models(str(base)).text_encoder)
+    )
+    merged = StableDiffusionPipeline.from_pretrained(out / "export" / "merged")
+    torch.testing.assert_close(
+        text_output(merged.text_encoder), text_output(models.text_encoder), rtol=1e-5, atol=1e-6
+    )
+
+    resumed = tmp_path / "resumed"
+    text = train(base, resumed, cache, *TEXT_RUN, "--resume", str(out / "checkpoints" / "step-00000002"))
+    assert "at step 2" in text
+    for rank in (0, 1):
+        assert losses(resumed, rank) == {s: v for s, v in losses(out, rank).items() if s > 2}

@@ -31,7 +31,15 @@ from trainer.checkpoint import Resume, choose_checkpoint, find_latest, load_chec
 from trainer.checkpointer import restore_frozen, restore_training
 from trainer.config import Config
 from trainer.data import ResumableDistributedSampler, build_dataloader, build_dataset
-from trainer.lora import add_lora, describe_lora
+from trainer.lora import (
+    TextConditioned,
+    add_lora,
+    add_text_encoder_lora,
+    describe_lora,
+    keep_adapters_fp32,
+    plain_text_encoder,
+    text_encoder_trains,
+)
 from trainer.memory import CastInputs, unet_weights_bf16
 from trainer.models import (
     Models,
@@ -87,6 +95,8 @@ class Run:
     """The VAE and text encoder wait in host memory (cached latents need neither)."""
     lora_base: str | None = None
     """With LoRA: the base UNet's fingerprint (checkpoints hold only the adapters); None: the whole UNet trains."""
+    text_lora_base: str | None = None
+    """With lora.text_encoder: the base text encoder's fingerprint; None: the text encoder is frozen."""
     step: int = 0
     train_step: TrainStep = field(init=False)
 
@@ -124,7 +134,7 @@ def build_run(cfg: Config, d: Dist, out_dir: Path, log: Log, warn: Log) -> Run:
         lambda message: warn_damaged_checkpoint(message, warn),
     )
     dataset = load_data(cfg, d, log)
-    models, unet_bf16, lora_base = load_models(cfg, d, dtype, log)
+    models, unet_bf16, lora_base, text_lora_base = load_models(cfg, d, dtype, log)
     shared, rank_state = load_resume(resume, cfg, d, out_dir, models, log)
     wrap = functools.partial(wrap_ddp, cfg=cfg, d=d)
     fitted_vae = models.from_scratch and cfg.model.vae_warmup_steps > 0
@@ -137,14 +147,15 @@ def build_run(cfg: Config, d: Dist, out_dir: Path, log: Log, warn: Log) -> Run:
     if frozen_dtype != torch.float32:
         models.vae.to(dtype=frozen_dtype)
         models.text_encoder.to(dtype=frozen_dtype)
+        keep_adapters_fp32(models.text_encoder)  # its LoRA adapters, when it trains
     sampler, loader = build_loader(cfg, d, models, dataset, frozen_dtype, target_sizes, log)
-    opt = build_optimization(cfg, d, models.unet, dtype, unet_bf16, log)
+    opt = build_optimization(cfg, d, models, dtype, unet_bf16, log)
     step = 0
     if shared is not None:
         assert resume is not None
         step = restore_training(
             resume, shared, rank_state, {**opt, "sampler": sampler}, opt["generator"], cfg.train.seed, d.rank,
-            lora_base,
+            (lora_base, text_lora_base),
         )  # fmt: skip
         log(f"resumed from {resume.path} at step {step}")
         sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume.path), action="resume")
@@ -176,6 +187,7 @@ def build_run(cfg: Config, d: Dist, out_dir: Path, log: Log, warn: Log) -> Run:
         scaling=scaling,
         offloaded=offloaded,
         lora_base=lora_base,
+        text_lora_base=text_lora_base,
         step=step,
     )
     run.train_step = build_train_step(run, opt["params"], guarded, guard_state, log)
@@ -257,9 +269,12 @@ def load_data(cfg: Config, d: Dist, log: Log) -> Any:
     return dataset
 
 
-def load_models(cfg: Config, d: Dist, dtype: torch.dtype, log: Log) -> tuple[Models, bool, str | None]:
-    """The models on the device, the UNet in its training layout (with LoRA adapters when lora.rank > 0):
-    (models, whether the UNet is bf16, the LoRA base's fingerprint or None)."""
+def load_models(
+    cfg: Config, d: Dist, dtype: torch.dtype, log: Log
+) -> tuple[Models, bool, str | None, str | None]:
+    """The models on the device, the UNet in its training layout (with LoRA adapters when lora.rank > 0,
+    on the text encoder too with lora.text_encoder): (models, whether the UNet is bf16, the LoRA
+    bases' fingerprints: the UNet's and the text encoder's, None where that model has no adapters)."""
     device = d.device
     # Model init must be identical on every rank (the frozen parts are never broadcast).
     torch.manual_seed(cfg.train.seed)
@@ -273,6 +288,8 @@ def load_models(cfg: Config, d: Dist, dtype: torch.dtype, log: Log) -> tuple[Mod
     unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
     check_model_fits(models, cfg.data.resolution, cfg.sample.steps)
     lora_base = add_lora(unet, cfg.lora)  # None: the whole UNet trains
+    text_encoder.requires_grad_(False)
+    text_lora_base = add_text_encoder_lora(text_encoder, cfg.lora)  # None: the text encoder is frozen
     if cfg.data.buckets:
         check_bucket_settings(cfg.data, side_step(models))
     log(
@@ -281,7 +298,7 @@ def load_models(cfg: Config, d: Dist, dtype: torch.dtype, log: Log) -> tuple[Mod
         f"{device.type}, {str(dtype).removeprefix('torch.')}"
     )
     if lora_base is not None:
-        log(describe_lora(unet, cfg.lora))
+        log(describe_lora(unet, cfg.lora, text_encoder))
     unet.to(device)
     # bf16 weights: no per-forward weight casts and no fp32 GroupNorm round trips under
     # autocast; the optimizer keeps the fp32 master copy (trainer/memory.py).
@@ -289,12 +306,14 @@ def load_models(cfg: Config, d: Dist, dtype: torch.dtype, log: Log) -> tuple[Mod
     if unet_bf16:
         unet.to(dtype=torch.bfloat16)
     vae.to(device).requires_grad_(False).eval()
-    text_encoder.to(device).requires_grad_(False).eval()
+    # Eval mode also with adapters: CLIP has no dropout of its own; the adapters' dropout follows
+    # the train/eval switch of the module that the step calls (build_optimization).
+    text_encoder.to(device).eval()
     if cfg.model.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if cfg.model.channels_last:
         unet.to(memory_format=torch.channels_last)
-    return models, unet_bf16, lora_base
+    return models, unet_bf16, lora_base, text_lora_base
 
 
 def load_resume(
@@ -338,7 +357,9 @@ def build_loader(
         dataset = build_cache(
             dataset,
             models.vae,
-            models.text_encoder,
+            # The base encoder (sharing its weights): the cache is keyed by, and holds, what the
+            # frozen model gives, whatever its adapters have learnt.
+            plain_text_encoder(models.text_encoder, merge=False),
             models.tokenizer,
             cfg.data,
             device=d.device,
@@ -372,11 +393,12 @@ def build_loader(
 
 
 def build_optimization(
-    cfg: Config, d: Dist, unet: torch.nn.Module, dtype: torch.dtype, unet_bf16: bool, log: Log
+    cfg: Config, d: Dist, models: Models, dtype: torch.dtype, unet_bf16: bool, log: Log
 ) -> dict[str, Any]:
-    """The model the step calls (compiled, casting inputs), the optimizer, LR schedule, EMA, loss
-    scaler and this rank's generator, by name."""
+    """The model the step calls (compiled, casting inputs; with the text encoder in front when its
+    adapters train), the optimizer, LR schedule, EMA, loss scaler and this rank's generator, by name."""
     device = d.device
+    unet = models.unet
     unet.train()
     compile_unet = cfg.model.compile == "true" or (cfg.model.compile == "auto" and device.type == "cuda")
     model: torch.nn.Module = unet
@@ -390,7 +412,14 @@ def build_optimization(
     if unet_bf16:
         model = CastInputs(model, torch.bfloat16)
     params = [p for p in unet.parameters() if p.requires_grad]
-    optimizer = build_training_optimizer(params, cfg.optim, device, unet_bf16)
+    groups: list[dict[str, Any]] = [{"params": params}]
+    if text_encoder_trains(cfg.lora):
+        models.text_encoder.train()
+        model = TextConditioned(model, models.text_encoder)
+        text_params = [p for p in models.text_encoder.parameters() if p.requires_grad]
+        groups.append({"params": text_params, "lr": cfg.lora.text_encoder_lr or cfg.optim.lr})
+        params = params + text_params
+    optimizer = build_training_optimizer(groups, cfg.optim, device, unet_bf16)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
     ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
     ema = EMA(unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
@@ -398,6 +427,7 @@ def build_optimization(
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + d.rank)
     return {
         "unet": unet,
+        "text_encoder": models.text_encoder,
         "model": model,
         "params": params,
         "optimizer": optimizer,
@@ -519,6 +549,7 @@ def offload_frozen(cfg: Config, d: Dist, models: Models) -> bool:
     offloaded = cfg.model.offload_frozen and cfg.data.cache and d.device.type == "cuda"
     if offloaded:
         models.vae.to("cpu")
-        models.text_encoder.to("cpu")
+        if not text_encoder_trains(cfg.lora):  # adapters that train stay with the UNet
+            models.text_encoder.to("cpu")
         torch.cuda.empty_cache()
     return offloaded

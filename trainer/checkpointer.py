@@ -27,7 +27,7 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.config import to_dict
-from trainer.lora import load_unet_state, unet_state
+from trainer.lora import load_text_encoder_state, load_unet_state, text_encoder_state, unet_state
 from trainer.models import Models
 from trainer.process import barrier
 
@@ -46,6 +46,7 @@ class Checkpointer:
         state = {
             "step": run.step,
             **unet_state(run.models.unet, run.lora_base),
+            **text_encoder_state(run.models.text_encoder, run.text_lora_base),
             "optimizer": run.optimizer.state_dict(),
             "lr_scheduler": run.lr_scheduler.state_dict(),
             "ema": run.ema.state_dict() if run.ema is not None else None,
@@ -105,16 +106,18 @@ def restore_training(
     generator: torch.Generator,
     seed: int,
     rank: int,
-    lora_base: str | None = None,
+    lora_bases: tuple[str | None, str | None] = (None, None),
 ) -> int:
     """Load the UNet, optimizer, schedule, EMA, scaler and sampler (`trained`, by name; None where
-    the run has none) and the random generators; returns the step to continue from.
+    the run has none) and the random generators; returns the step to continue from. `lora_bases`:
+    the fingerprints of the UNet and text encoder that LoRA adapters were added to (None: none).
 
     Without this rank's part (a re-sharded checkpoint) the data position is the shared one and
     the random streams start afresh from the seed and the step.
     """
     with checkpoint_must_fit(resume.path):
-        load_unet_state(trained["unet"], shared, lora_base)
+        load_unet_state(trained["unet"], shared, lora_bases[0])
+        load_text_encoder_state(trained["text_encoder"], shared, lora_bases[1])
         trained["optimizer"].load_state_dict(shared["optimizer"])
         trained["lr_scheduler"].load_state_dict(shared["lr_scheduler"])
         if trained["ema"] is not None and shared.get("ema") is not None:

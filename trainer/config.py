@@ -506,6 +506,15 @@ _STEPS = _int(0, 10**9)
 _SEED = _int(0, 2**32 - 1)
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _LAYER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+
+def _layer_names(example: str) -> Rule:
+    return Rule(
+        lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) and _LAYER_NAME.fullmatch(x) for x in v),
+        f"a non-empty list of layer names (letters, digits, '_', dotted), e.g. {example}",
+    )
+
+
 _COMPILE_OPTION = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*=[A-Za-z0-9_.+-]+")
 
 
@@ -623,16 +632,12 @@ RULES: dict[str, Rule] = {
     "output.export": _BOOL,
     "lora.rank": _int(0, 1024),
     "lora.alpha": _float(0, 1e6),
-    "lora.target_modules": Rule(
-        lambda v: (
-            isinstance(v, list)
-            and bool(v)
-            and all(isinstance(x, str) and _LAYER_NAME.fullmatch(x) for x in v)
-        ),
-        "a non-empty list of layer names (letters, digits, '_', dotted), e.g. to_k;to_q;to_v;to_out.0",
-    ),
+    "lora.target_modules": _layer_names("to_k;to_q;to_v;to_out.0"),
     "lora.dropout": _float(0, 1, high_open=True),
     "lora.export_merged": _BOOL,
+    "lora.text_encoder": _BOOL,
+    "lora.text_encoder_targets": _layer_names("q_proj;k_proj;v_proj;out_proj"),
+    "lora.text_encoder_lr": _float(0, 1e6),
     "output.report_to": _choice("tensorboard", "wandb", "all", "none"),
     "output.progress": _choice("auto", "bar", "lines", "quiet"),
 }
@@ -672,6 +677,12 @@ def _conflicts(cfg: Config) -> list[tuple[str, str]]:
                 "adamw (or model.unet_dtype=fp32/auto with adamw8bit): 8-bit AdamW keeps no fp32 master copy, "
                 "so bf16 weights would round its small updates away",
             )
+        )
+    if cfg.lora.text_encoder and cfg.lora.rank == 0:
+        found.append(("lora.text_encoder", "false unless lora.rank > 0 (the text encoder gets LoRA adapters only)"))
+    if cfg.lora.text_encoder and cfg.lora.rank > 0 and cfg.train.ema_decay > 0:
+        found.append(
+            ("train.ema_decay", "0 with lora.text_encoder=true (the EMA averages the UNet's weights only)")
         )
     data = cfg.data
     if data.bucket_min and data.bucket_max and data.bucket_min > data.bucket_max:

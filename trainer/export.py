@@ -21,8 +21,11 @@ A LoRA run (`lora.rank > 0`) exports its adapter instead (`export_lora`):
       lora.json                          rank, alpha, target layers, the base model it applies to
       base/                              the base pipeline as above, when it exists nowhere else
                                          (a preset built from scratch; with --model it is that folder)
-      merged/                            with lora.export_merged=true: a pipeline with the adapter
-                                         merged into the UNet's weights (plus merged/NAME.safetensors)
+      merged/                            with lora.export_merged=true: a pipeline with the adapters
+                                         merged into the weights (plus merged/NAME.safetensors)
+
+With lora.text_encoder the weights file holds the text encoder's adapters too (`text_encoder.`
+keys), and base/ and merged/ hold its base or merged weights.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -69,27 +73,29 @@ def export_lora(
     from diffusers import StableDiffusionPipeline
 
     tmp = _fresh_tmp(out_dir)
+    text_encoder = models.text_encoder
+    text_trains = bool(lora_adapters.lora_layers(text_encoder))
     with ema_weights(unet, ema):
         tmp.mkdir(parents=True)
         StableDiffusionPipeline.save_lora_weights(
-            tmp, unet_lora_layers=lora_adapters.diffusers_adapter(unet), safe_serialization=True
+            tmp,
+            unet_lora_layers=lora_adapters.diffusers_adapter(unet),
+            text_encoder_lora_layers=lora_adapters.diffusers_adapter(text_encoder) if text_trains else None,
+            safe_serialization=True,
         )
         info = {
             "rank": lora.rank,
             "alpha": lora.alpha or lora.rank,
             "target_modules": list(lora.target_modules),
+            "text_encoder_target_modules": list(lora.text_encoder_targets) if text_trains else [],
             "scale_folded_into_up_weights": (lora.alpha or lora.rank) / lora.rank,
             "base": "base/" if models.from_scratch else models.source,
         }
         (tmp / "lora.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        if models.from_scratch:
-            export_pipeline(
-                models, lora_adapters.plain_unet(unet, merge=False), tmp / "base", None, single_file
-            )
-        if lora.export_merged:
-            export_pipeline(
-                models, lora_adapters.plain_unet(unet, merge=True), tmp / "merged", None, single_file
-            )
+        for folder, merge, wanted in (("base", False, models.from_scratch), ("merged", True, lora.export_merged)):
+            if wanted:
+                plain = replace(models, text_encoder=lora_adapters.plain_text_encoder(text_encoder, merge))
+                export_pipeline(plain, lora_adapters.plain_unet(unet, merge), tmp / folder, None, single_file)
     _replace(tmp, out_dir)
     return out_dir
 

@@ -1,6 +1,8 @@
-"""LoRA: low-rank adapters on the UNet (peft), trained while the base weights stay frozen.
+"""LoRA: low-rank adapters on the UNet (peft), and on request the text encoder's, trained while
+the base weights stay frozen.
 
     python -m trainer --model ./my-sd15 --set lora.rank=16 lora.alpha=16 data.source=./my-images
+    python -m trainer --model ./my-sd15 --set lora.rank=16 lora.text_encoder=true lora.text_encoder_lr=5e-5
 
 `lora.rank > 0` freezes the UNet and adds a pair of small matrices (A: rank x in, B: out x rank,
 B starting at zero, so training starts from the base model exactly) to every layer whose name
@@ -10,12 +12,20 @@ for a larger adapter). Each adapter's output is scaled by `alpha / rank`; `lora.
 its input in training. Only the adapters require gradients, so DDP buckets, all-reduces and
 the optimizer see nothing else, and every adapter is used in every step (no unused parameters).
 
-A checkpoint holds the adapters (`unet_lora/...`), their optimizer state and a fingerprint of
-the base UNet (`trainer.cache.module_fingerprint`): resuming on another base is refused (exit 2)
+`lora.text_encoder=true` adds adapters of the same rank, alpha and dropout to the CLIP text
+encoder's attention projections (`lora.text_encoder_targets`, as diffusers' DreamBooth LoRA
+script), trained with their own learning rate (`lora.text_encoder_lr`, kohya's `text_encoder_lr`;
+0 means optim.lr). The captions are then encoded in every step with gradients (`TextConditioned`
+wraps encoder and UNet into the one module DDP synchronises); cached latents stay usable, cached
+text embeddings are not used. A dropped caption becomes the empty caption's tokens, so caption
+dropout trains the adapted encoder's "" as well.
+
+A checkpoint holds the adapters (`unet_lora/...`, `text_encoder_lora/...`), their optimizer state
+and a fingerprint of each base model (`trainer.cache.module_fingerprint`): resuming on another base is refused (exit 2)
 instead of silently pairing an adapter with weights it was not trained on.
 
-The export (`trainer.export.export_lora`) writes `pytorch_lora_weights.safetensors`, which
-diffusers' `pipe.load_lora_weights(folder)` reads; `alpha / rank` is folded into the B matrices,
+The export (`trainer.export.export_lora`) writes `pytorch_lora_weights.safetensors` (keys
+`unet.` and `text_encoder.`), which diffusers' `pipe.load_lora_weights(folder)` reads; `alpha / rank` is folded into the B matrices,
 so every diffusers version, which reads rank from the shapes and may not read alpha, loads the
 adapter with the scale it was trained with.
 """
@@ -35,6 +45,8 @@ if TYPE_CHECKING:
 
 #: diffusers' train_text_to_image_lora.py default: the attention projections of every transformer block.
 DEFAULT_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+#: diffusers' train_dreambooth_lora.py default for CLIP: the self-attention projections of every layer.
+DEFAULT_TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 ADAPTER = "default"  # peft's adapter name
 
 
@@ -56,10 +68,20 @@ class LoraConfig:
     """Dropout on each adapter's input while training."""
     export_merged: bool = False
     """Also export the UNet with the adapters merged into its weights (export/merged/, a full pipeline)."""
+    text_encoder: bool = False
+    """Also train adapters on the text encoder (same rank, alpha and dropout); needs rank > 0."""
+    text_encoder_targets: list[str] = field(default_factory=lambda: list(DEFAULT_TEXT_TARGETS))
+    """Text encoder layers that get an adapter (same matching rule as target_modules)."""
+    text_encoder_lr: float = 0.0
+    """Learning rate of the text encoder's adapters; 0 means optim.lr."""
 
 
 def enabled(cfg: LoraConfig) -> bool:
     return cfg.rank > 0
+
+
+def text_encoder_trains(cfg: LoraConfig) -> bool:
+    return enabled(cfg) and cfg.text_encoder
 
 
 def matching_modules(module: torch.nn.Module, targets: list[str]) -> dict[str, list[str]]:
@@ -76,36 +98,84 @@ def add_lora(unet: UNet2DConditionModel, cfg: LoraConfig) -> str | None:
     """
     if not enabled(cfg):
         return None
+    return _add_adapters(unet, cfg, list(cfg.target_modules), "lora.target_modules", "UNet")
+
+
+def add_text_encoder_lora(text_encoder: torch.nn.Module, cfg: LoraConfig) -> str | None:
+    """Freeze the text encoder and add its adapters when lora.text_encoder is on; returns the base
+    encoder's fingerprint, else None (the encoder stays as it is). LoraError as `add_lora`."""
+    if not text_encoder_trains(cfg):
+        return None
+    targets = list(cfg.text_encoder_targets)
+    return _add_adapters(text_encoder, cfg, targets, "lora.text_encoder_targets", "text encoder")
+
+
+def _add_adapters(module: Any, cfg: LoraConfig, targets: list[str], key: str, what: str) -> str:
     from trainer.cache import module_fingerprint
 
-    unknown = [t for t, found in matching_modules(unet, cfg.target_modules).items() if not found]
+    unknown = [t for t, found in matching_modules(module, targets).items() if not found]
     if unknown:
-        examples = sorted({_short_name(name) for name, m in unet.named_modules() if _adaptable(m)})
+        examples = sorted({_short_name(name) for name, m in module.named_modules() if _adaptable(m)})
         raise LoraError(
-            f"lora.target_modules {unknown} match no layer of this UNet; its Linear and Conv2d layers "
+            f"{key} {unknown} match no layer of this {what}; its Linear and Conv2d layers "
             f"end in: {', '.join(examples[:30])}"
         )
     try:
         from peft import LoraConfig as PeftLoraConfig
     except ImportError:
         raise LoraError("lora.rank > 0 needs peft: pip install 'peft>=0.7'") from None
-    base = module_fingerprint(unet)
-    unet.requires_grad_(False)
+    base = module_fingerprint(module)
+    module.requires_grad_(False)
+    peft_config = PeftLoraConfig(
+        r=cfg.rank,
+        # peft annotates lora_alpha as int, yet only divides by it: a fractional alpha is valid
+        lora_alpha=cfg.alpha or cfg.rank,  # type: ignore[arg-type]
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        init_lora_weights="gaussian",  # A random, B zero: the adapted model starts as the base
+    )
     try:
-        unet.add_adapter(
-            PeftLoraConfig(
-                r=cfg.rank,
-                # peft annotates lora_alpha as int, yet only divides by it: a fractional alpha is valid
-                lora_alpha=cfg.alpha or cfg.rank,  # type: ignore[arg-type]
-                lora_dropout=cfg.dropout,
-                target_modules=list(cfg.target_modules),
-                init_lora_weights="gaussian",  # A random, B zero: the adapted UNet starts as the base
-            ),
-            adapter_name=ADAPTER,
-        )
+        if _is_diffusers_model(module):
+            module.add_adapter(peft_config, adapter_name=ADAPTER)
+        else:
+            # transformers' own add_adapter pins a newer peft than diffusers needs; injecting
+            # the layers directly is what it does underneath, with any peft diffusers accepts.
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(peft_config, module, adapter_name=ADAPTER)
+            for name, p in module.named_parameters():
+                p.requires_grad_(".lora_" in name)
     except ValueError as exc:  # e.g. a target that is a whole block, not a Linear or Conv2d
-        raise LoraError(f"lora.target_modules {cfg.target_modules}: {exc}") from None
+        raise LoraError(f"{key} {targets}: {exc}") from None
     return base
+
+
+def _is_diffusers_model(module: Any) -> bool:
+    from diffusers import ModelMixin
+
+    return isinstance(module, ModelMixin)
+
+
+def keep_adapters_fp32(module: torch.nn.Module) -> None:
+    """Adapters in fp32 after their frozen base was cast to bf16/fp16: the optimizer updates them in
+    fp32 (peft casts each adapter's input to its dtype and the sum back to the base's)."""
+    for p in module.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+class TextConditioned(torch.nn.Module):
+    """Text encoder then UNet as one module: `(noisy, t, input_ids) -> UNet output`, so DDP
+    synchronises both models' adapters in one set of buckets."""
+
+    def __init__(self, unet: torch.nn.Module, text_encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.unet = unet
+        self.text_encoder = text_encoder
+
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, input_ids: torch.Tensor) -> Any:
+        hidden = self.text_encoder(input_ids)[0]
+        return self.unet(noisy, timesteps, hidden)
 
 
 def _short_name(name: str) -> str:
@@ -118,13 +188,20 @@ def _adaptable(module: torch.nn.Module) -> bool:
     return isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))
 
 
-def describe_lora(unet: torch.nn.Module, cfg: LoraConfig) -> str:
+def describe_lora(unet: torch.nn.Module, cfg: LoraConfig, text_encoder: torch.nn.Module | None = None) -> str:
     """One log line: what trains."""
     trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
-    return (
+    line = (
         f"LoRA rank {cfg.rank}, alpha {cfg.alpha or cfg.rank:g} on {len(lora_layers(unet))} layers "
         f"({', '.join(cfg.target_modules)}): {trainable:,} trainable parameters, the UNet's weights frozen"
     )
+    if text_encoder is not None and text_encoder_trains(cfg):
+        text = sum(p.numel() for p in text_encoder.parameters() if p.requires_grad)
+        line += (
+            f"; text encoder: {len(lora_layers(text_encoder))} layers ({', '.join(cfg.text_encoder_targets)}), "
+            f"{text:,} trainable parameters"
+        )
+    return line
 
 
 def lora_layers(unet: torch.nn.Module) -> dict[str, Any]:
@@ -163,18 +240,48 @@ def load_unet_state(unet: torch.nn.Module, shared: dict[str, Any], base_fingerpr
             "its adapters were trained on another base UNet (the base's fingerprint differs): resume with "
             "the --model or preset and train.seed it was saved with"
         )
-    current = adapter_state(unet)
-    saved = shared["unet_lora"]
+    _load_adapters(unet, shared["unet_lora"], "")
+
+
+def text_encoder_state(text_encoder: torch.nn.Module, base_fingerprint: str | None) -> dict[str, Any]:
+    """The text encoder's adapters and its base's fingerprint for a checkpoint; {} when they do not train."""
+    if base_fingerprint is None:
+        return {}
+    return {"text_encoder_lora": adapter_state(text_encoder), "text_encoder_lora_base": base_fingerprint}
+
+
+def load_text_encoder_state(
+    text_encoder: torch.nn.Module, shared: dict[str, Any], base_fingerprint: str | None
+) -> None:
+    """Restore `text_encoder_state`; ValueError when the checkpoint and this run disagree on it."""
+    saved = shared.get("text_encoder_lora")
+    if base_fingerprint is None:
+        if saved is not None:
+            raise ValueError("it holds text encoder adapters and this run does not train them (lora.text_encoder)")
+        return
+    if saved is None:
+        raise ValueError("it holds no text encoder adapters and this run trains them (lora.text_encoder=true)")
+    if shared.get("text_encoder_lora_base") != base_fingerprint:
+        raise ValueError(
+            "its text encoder adapters were trained on another base text encoder: resume with the --model "
+            "or preset and train.seed it was saved with"
+        )
+    _load_adapters(text_encoder, saved, "text encoder ")
+
+
+def _load_adapters(module: torch.nn.Module, saved: dict[str, torch.Tensor], what: str) -> None:
+    current = adapter_state(module)
     if set(saved) != set(current):
         missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
         raise ValueError(
-            f"its adapters differ from this run's lora settings (missing {missing[:2]}, unexpected {extra[:2]})"
+            f"its {what}adapters differ from this run's lora settings (missing {missing[:2]}, "
+            f"unexpected {extra[:2]})"
         )
     with torch.no_grad():
         for name, tensor in current.items():
             if tuple(saved[name].shape) != tuple(tensor.shape):
                 raise ValueError(
-                    f"adapter {name} has shape {tuple(saved[name].shape)}, this run {tuple(tensor.shape)}"
+                    f"{what}adapter {name} has shape {tuple(saved[name].shape)}, this run {tuple(tensor.shape)}"
                 )
             tensor.copy_(saved[name])
 
@@ -204,18 +311,52 @@ def plain_unet(unet: UNet2DConditionModel, merge: bool) -> UNet2DConditionModel:
 
     Built on the meta device and filled from the tensors (no second random initialisation).
     """
-    layers = lora_layers(unet)
+    with torch.device("meta"):
+        plain = type(unet).from_config(copy.deepcopy(dict(unet.config)))
+    return _filled(plain, unet, merge)
+
+
+def plain_text_encoder(text_encoder: Any, merge: bool) -> Any:
+    """The text encoder without peft layers (its base weights, or with the adapters merged), as
+    `plain_unet`; the encoder itself when it has no adapters."""
+    if not lora_layers(text_encoder):
+        return text_encoder
+    with torch.device("meta"):
+        plain = type(text_encoder)(copy.deepcopy(text_encoder.config))
+    return _filled(plain, text_encoder, merge)
+
+
+def _filled(plain: Any, adapted: torch.nn.Module, merge: bool) -> Any:
+    """`plain` (an empty copy of `adapted`'s architecture) given `adapted`'s base weights, plus
+    each adapter's delta when `merge`."""
     state = {}
-    for key, value in unet.state_dict().items():
+    for key, value in adapted.state_dict().items():
         if ".lora_" in key:
             continue
         state[key.replace(".base_layer.", ".")] = value.detach()
     if merge:
-        for name, layer in layers.items():
+        for name, layer in lora_layers(adapted).items():
             key = f"{name}.weight"
             delta = layer.get_delta_weight(ADAPTER).to(dtype=torch.float32)
             state[key] = (state[key].float() + delta.reshape(state[key].shape)).to(state[key].dtype)
-    with torch.device("meta"):
-        plain = type(unet).from_config(copy.deepcopy(dict(unet.config)))
-    plain.load_state_dict(state, strict=True, assign=True)
-    return plain.train(unet.training)
+    missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
+    # transformers' CLIP registers position_ids as a non-persistent buffer: not in the state dict,
+    # so it is left on the meta device by the load; it is a fixed arange.
+    for name, buffer in list(plain.named_buffers()):
+        if buffer.is_meta:
+            owner = plain.get_submodule(name.rpartition(".")[0]) if "." in name else plain
+            leaf = name.rpartition(".")[2]
+            source = dict(adapted.named_buffers())[_adapted_name(name, adapted)]
+            owner.register_buffer(leaf, source.detach().clone(), persistent=False)
+    if unexpected or [k for k in missing if k not in dict(plain.named_buffers())]:
+        raise ValueError(f"cannot rebuild the model without adapters: missing {missing}, unexpected {unexpected}")
+    return plain.train(adapted.training)
+
+
+def _adapted_name(name: str, adapted: torch.nn.Module) -> str:
+    """A plain module's buffer name in the adapted module (peft puts base layers under base_layer)."""
+    buffers = dict(adapted.named_buffers())
+    if name in buffers:
+        return name
+    parts = name.split(".")
+    return ".".join([*parts[:-1], "base_layer", parts[-1]])

@@ -145,7 +145,7 @@ def build_step(cfg: Any, device: Any) -> tuple[Any, int]:
     gradients' owners and optimizer/EMA state hold before the first step."""
     import torch
 
-    from trainer.lora import add_lora
+    from trainer.lora import TextConditioned, add_lora, add_text_encoder_lora, keep_adapters_fp32
     from trainer.memory import CastInputs, unet_weights_bf16
     from trainer.models import build_models, vae_scale_factor
     from trainer.objective import DiffusionObjective
@@ -158,28 +158,34 @@ def build_step(cfg: Any, device: Any) -> tuple[Any, int]:
     models.noise_scheduler = type(models.noise_scheduler).from_config(models.noise_scheduler.config)
     unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
     add_lora(unet, cfg.lora)
+    text_encoder.requires_grad_(False)
+    text_trains = add_text_encoder_lora(text_encoder, cfg.lora) is not None
     dtype = torch.bfloat16
     bf16 = unet_weights_bf16(cfg.model.unet_dtype, cfg.optim.name, dtype, device)
     unet.to(device, dtype=torch.bfloat16 if bf16 else None)
     vae.to(device, dtype=dtype).requires_grad_(False).eval()
-    text_encoder.to(device, dtype=dtype).requires_grad_(False).eval()
+    text_encoder.to(device, dtype=dtype).eval()
+    keep_adapters_fp32(text_encoder)
     if cfg.model.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if cfg.model.channels_last:
         unet.to(memory_format=torch.channels_last)
     unet.train()
-    params = [p for p in unet.parameters() if p.requires_grad]
+    model: torch.nn.Module = CastInputs(unet, torch.bfloat16) if bf16 else unet
+    if text_trains:  # the encoder's adapters train too: it runs in every step, as in the trainer
+        model = TextConditioned(model, text_encoder.train())
+    params = [p for module in (unet, text_encoder) for p in module.parameters() if p.requires_grad]
     optimizer = build_training_optimizer(params, cfg.optim, device, bf16)
     ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
     ema = EMA(unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
     generator = torch.Generator(device=device).manual_seed(0)
     objective = DiffusionObjective(cfg, models, device, dtype, dtype, generator)
-    model: torch.nn.Module = CastInputs(unet, torch.bfloat16) if bf16 else unet
     if bf16:
         objective.autocast = contextlib.nullcontext
     if cfg.model.offload_frozen and cfg.data.cache:
         vae.to("cpu")
-        text_encoder.to("cpu")
+        if not text_trains:
+            text_encoder.to("cpu")
     gc.collect()
     torch.cuda.empty_cache()
     side = cfg.data.resolution // vae_scale_factor(vae)
@@ -191,6 +197,7 @@ def build_step(cfg: Any, device: Any) -> tuple[Any, int]:
             "latent_mean": torch.randn(batch, *latent, device=device, dtype=dtype),
             "latent_std": torch.rand(batch, *latent, device=device, dtype=dtype),
             "encoder_hidden_states": torch.randn(batch, *text, device=device, dtype=dtype),
+            "caption": ["a photograph of a probe"] * batch,  # tokenized when the text encoder trains
         }
         objective.forward_backward(model, objective.prepare(raw), 1.0)
         if cfg.train.max_grad_norm > 0:

@@ -9,6 +9,10 @@ of the generator makes resumption exact.
 Batches come in two forms (trainer/data.py and trainer/cache.py):
     uncached: pixel_values [B,3,H,W] in [-1,1], caption [str]     -> VAE + text encoder per step
     cached:   latent_mean, latent_std [B,C,h,w], encoder_hidden_states [B,L,D]
+
+When the text encoder's LoRA adapters train (lora.text_encoder), the captions are tokenized in
+both forms and the model the step calls is `TextConditioned` (encoder + UNet): it takes the token
+ids, a dropped caption's replaced by those of "", and the encoder runs with gradients.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 
 from sddoctor.instrument import api as sdi
 from trainer.config import Config
+from trainer.lora import text_encoder_trains
 from trainer.models import Models
 from trainer.vae_fit import latent_shape
 
@@ -61,9 +66,11 @@ class DiffusionObjective:
         self.prediction_type = scheduler.config.prediction_type
         self.num_timesteps = scheduler.config.num_train_timesteps
         self.scaling = float(models.vae.config.scaling_factor)
-        with torch.no_grad():  # the caption "" that replaces dropped captions (classifier-free guidance)
-            ids = tokenize([""], models.tokenizer, device)
-            self.empty_embedding = models.text_encoder(ids)[0].to(frozen_dtype)
+        self.text_trains = text_encoder_trains(cfg.lora)
+        # The caption "" that replaces dropped captions (classifier-free guidance).
+        self.empty_ids = tokenize([""], models.tokenizer, device)
+        with torch.no_grad():
+            self.empty_embedding = models.text_encoder(self.empty_ids)[0].to(frozen_dtype)
         self.autocast: Callable[[], Any] = (
             (lambda: torch.autocast(device.type, dtype=dtype))
             if dtype in (torch.float16, torch.bfloat16)
@@ -77,13 +84,15 @@ class DiffusionObjective:
         if "latent_mean" in batch:
             out["latent_mean"] = batch["latent_mean"].to(device, non_blocking=True).float()
             out["latent_std"] = batch["latent_std"].to(device, non_blocking=True).float()
-            out["encoder_hidden_states"] = batch["encoder_hidden_states"].to(device, non_blocking=True)
+            if not self.text_trains:
+                out["encoder_hidden_states"] = batch["encoder_hidden_states"].to(device, non_blocking=True)
             shape = tuple(out["latent_mean"].shape)
         else:
             pixels = batch["pixel_values"].to(device, non_blocking=True)
             out["pixel_values"] = pixels
-            out["input_ids"] = tokenize(batch["caption"], self.models.tokenizer, device)
             shape = latent_shape(self.models.vae, pixels.shape)
+        if self.text_trains or "latent_mean" not in batch:
+            out["input_ids"] = tokenize(batch["caption"], self.models.tokenizer, device)
         b = shape[0]
         out["latent_noise"] = torch.randn(shape, generator=gen, device=device)
         noise = torch.randn(shape, generator=gen, device=device)
@@ -102,14 +111,11 @@ class DiffusionObjective:
         with torch.no_grad():
             if "latent_mean" in mb:
                 latents = mb["latent_mean"] + mb["latent_std"] * mb["latent_noise"]
-                hidden = mb["encoder_hidden_states"]
             else:
                 posterior = models.vae.encode(mb["pixel_values"].to(self.frozen_dtype)).latent_dist
                 latents = posterior.mean.float() + posterior.std.float() * mb["latent_noise"]
-                hidden = models.text_encoder(mb["input_ids"])[0]
             latents = latents * self.scaling
-            hidden = hidden.to(self.frozen_dtype)
-            hidden = torch.where(mb["drop_caption"][:, None, None], self.empty_embedding, hidden)
+            condition = self._condition(mb)
             t = mb["timesteps"]
             ab = self.alphas_cumprod[t][:, None, None, None]
             noisy = ab.sqrt() * latents + (1 - ab).sqrt() * mb["noise"]
@@ -120,7 +126,7 @@ class DiffusionObjective:
             if self.cfg.model.channels_last:
                 noisy = noisy.contiguous(memory_format=torch.channels_last)
         with self.autocast():
-            pred = model(noisy, t, hidden).sample
+            pred = model(noisy, t, condition).sample
         per_sample = F.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2, 3))
         if train.min_snr_gamma > 0:
             snr = ab.flatten() / (1 - ab.flatten())
@@ -132,3 +138,16 @@ class DiffusionObjective:
         scaled = loss * loss_scale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach()
+
+    def _condition(self, mb: dict[str, Any]) -> torch.Tensor:
+        """What the model is conditioned on, dropped captions replaced by "": the token ids when the
+        text encoder trains (it runs inside the model), else the frozen encoder's hidden states."""
+        drop = mb["drop_caption"]
+        if self.text_trains:
+            return torch.where(drop[:, None], self.empty_ids, mb["input_ids"])
+        if "encoder_hidden_states" in mb:
+            hidden = mb["encoder_hidden_states"]
+        else:
+            hidden = self.models.text_encoder(mb["input_ids"])[0]
+        hidden = hidden.to(self.frozen_dtype)
+        return torch.where(drop[:, None, None], self.empty_embedding, hidden)

@@ -36,8 +36,12 @@ def check_optimizer(cfg: OptimConfig, device: torch.device) -> None:
         ) from None
 
 
+#: Parameters, or parameter groups with their own settings (e.g. a learning rate of their own).
+Params = list[torch.nn.Parameter] | list[dict[str, Any]]
+
+
 def build_training_optimizer(
-    params: list[torch.nn.Parameter], cfg: OptimConfig, device: torch.device, bf16_weights: bool
+    params: Params, cfg: OptimConfig, device: torch.device, bf16_weights: bool
 ) -> torch.optim.Optimizer:
     """The trainer's optimizer for `params`, as `optim.*` and the UNet's weight dtype ask:
 
@@ -67,7 +71,7 @@ def build_training_optimizer(
 
 
 def build_optimizer(
-    params: list[torch.nn.Parameter], cfg: OptimConfig, device: torch.device
+    params: Params, cfg: OptimConfig, device: torch.device
 ) -> torch.optim.AdamW:
     """AdamW; the fused kernel on CUDA unless `optim.fused` says otherwise (one launch for all tensors)."""
     fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"

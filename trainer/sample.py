@@ -115,8 +115,10 @@ def sample_grid(
     """Generate `images_per_prompt` images for each prompt; rows = prompts."""
     pipe = build_pipeline(models, unet)
     pipe.set_progress_bar_config(disable=True)
-    was_training = unet.training
+    # Eval mode (no LoRA dropout) for both: the text encoder trains too with lora.text_encoder.
+    was_training = [(module, module.training) for module in (unet, models.text_encoder)]
     unet.eval()
+    models.text_encoder.eval()
     rows = []
     try:
         for index, prompt in enumerate(prompts):
@@ -138,7 +140,8 @@ def sample_grid(
                 )
             rows.append(out.images)
     finally:
-        unet.train(was_training)
+        for module, mode in was_training:
+            module.train(mode)
     return make_grid(rows)
 
 
