@@ -103,7 +103,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 VARIANTS["best"] = dict(VARIANTS["bf16w-compiled"])
 # memory levers (trainer.memory_probe runs them with compile off): gradient checkpointing alone,
 # bitsandbytes' 8-bit AdamW (fp32 weights under autocast, 8-bit moments), with checkpointing, and
-# under the memory saver; LoRA rank 16 on the default target layers (frozen bf16 UNet)
+# under the memory saver; LoRA rank 16 on the default target layers (frozen bf16 UNet), and on the
+# text encoder as well
 VARIANTS.update(
     {
         "gc": {"model.gradient_checkpointing": True},
@@ -112,6 +113,8 @@ VARIANTS.update(
         "saver-8bit": {"train.memory_saver": True, "optim.name": "adamw8bit"},
         "lora": {"lora.rank": 16},
         "lora-gc": {"lora.rank": 16, "model.gradient_checkpointing": True},
+        # the text encoder's adapters too (EMA off: it averages the UNet only)
+        "lora-te": {"lora.rank": 16, "lora.text_encoder": True, "train.ema_decay": 0.0},
     }
 )
 # speed levers against `default` (compiled): CUDA graphs for the launch gaps of the compiled

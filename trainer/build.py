@@ -403,7 +403,10 @@ def build_optimization(
     compile_unet = cfg.model.compile == "true" or (cfg.model.compile == "auto" and device.type == "cuda")
     model: torch.nn.Module = unet
     if compile_unet:
-        log("compiling the UNet with torch.compile: the first steps take a few minutes")
+        log(
+            f"compiling the UNet{' and the text encoder' if text_encoder_trains(cfg.lora) else ''} with "
+            "torch.compile: the first steps take a few minutes"
+        )
         separate_compile_cache(cfg.model.attention_backend)
         how = compile_arguments(cfg.model.compile_backend, cfg.model.compile_mode, cfg.model.compile_options)
         model = torch.compile(unet, backend=cfg.model.compile_backend, **how)  # type: ignore[assignment]
@@ -414,8 +417,10 @@ def build_optimization(
     params = [p for p in unet.parameters() if p.requires_grad]
     groups: list[dict[str, Any]] = [{"params": params}]
     if text_encoder_trains(cfg.lora):
-        models.text_encoder.train()
-        model = TextConditioned(model, models.text_encoder)
+        encoder: torch.nn.Module = models.text_encoder.train()
+        if compile_unet:  # eager, its peft layers' launches would cost more host time than its kernels
+            encoder = torch.compile(encoder, backend=cfg.model.compile_backend, **how)  # type: ignore[assignment]
+        model = TextConditioned(model, encoder)
         text_params = [p for p in models.text_encoder.parameters() if p.requires_grad]
         groups.append({"params": text_params, "lr": cfg.lora.text_encoder_lr or cfg.optim.lr})
         params = params + text_params
