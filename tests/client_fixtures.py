@@ -88,6 +88,18 @@ CLIENTS_BY_NAME = {
             barrier="# FIT",
         ),  # fmt: skip
         Client("diffusers", CLIENTS / "diffusers_style.py", "torchrun", 4, grad_seq=2, barrier_seq=3),
+        # transformers' Trainer wraps the model in DDP itself; one gradient all-reduce a step from
+        # #1, the callback's barrier after every second step (#3); the user's line is trainer.train()
+        Client(
+            "hf-trainer",
+            CLIENTS / "hf_trainer_script.py",
+            "torchrun",
+            8,
+            grad_seq=3,
+            barrier_seq=3,
+            forward="# TRAIN",
+            backward="# TRAIN",
+        ),  # fmt: skip
     )
 }
 

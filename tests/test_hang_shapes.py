@@ -8,7 +8,7 @@ from pathlib import Path
 
 from supervise_fixtures import run_supervised, script_line, torchrun
 
-JOB = '''
+JOB = """
 import os
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def _job(tmp_path: Path) -> tuple[Path, list[str]]:
@@ -114,3 +114,50 @@ def test_collective_at_a_line_one_rank_never_used_names_that_rank(tmp_path):
     (v,) = res.verdicts("hang.")
     assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", 1), v
     assert v["location"] == script_line("# OTHER LINE", script)
+
+
+BATCHNORM_JOB = """
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    # DDP's reducer then issues collectives of its own: the buffer broadcast before each forward
+    # and, with find_unused_parameters, the all-reduce of the map of used parameters
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=os.environ["UNUSED"] == "1")
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(40):
+        loss = ddp(torch.randn(4, 8)).pow(2).mean()  # FORWARD
+        loss.backward()  # BACKWARD
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_skipped_gradient_all_reduce_beside_ddps_own_collectives_is_a_missing_rank(tmp_path):
+    """The skipped bucket is not met by one of the reducer's untraced calls (gloo would abort on the
+    size mismatch): the rank stops in that backward and is named there."""
+    script = tmp_path / "bn.py"
+    script.write_text(BATCHNORM_JOB)
+    for unused in ("0", "1"):
+        where = tmp_path / f"unused-{unused}"
+        where.mkdir()
+        res = run_supervised(
+            where, torchrun(2, str(script)), env={"UNUSED": unused}, fault="skip:rank=1,seq=4"
+        )
+        assert res.returncode == 124, res.stderr[-3000:]
+        (v,) = res.verdicts("hang.")
+        assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+        assert v["details"]["op"] == "all_reduce" and v["details"]["waiting_ranks"] == [0], v
+        assert v["location"] == script_line("# BACKWARD", script), v
+        assert "Received data size doesn't match" not in res.stderr

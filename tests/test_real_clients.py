@@ -1,7 +1,7 @@
 """`sddoctor run` on programs written the way users write them, unchanged (tests/clients/): the
 PyTorch DDP tutorial under torchrun, its mp.spawn version (no launcher), an accelerate script under
-`accelerate launch`, a Lightning model with strategy="ddp" under torchrun and a diffusers-style
-text-to-image loop. 2 ranks on CPU with gloo; faults injected with SDDOCTOR_FAULT.
+`accelerate launch`, a Lightning model with strategy="ddp" under torchrun, a diffusers-style
+text-to-image loop and a model trained by transformers' Trainer under torchrun. 2 ranks on CPU with gloo; faults injected with SDDOCTOR_FAULT.
 
 Each case asserts the verdict, the culprit rank, the user's own line, sddoctor's exit code and that
 no rank's output holds a traceback of an error raised by sddoctor itself. The runs start side by
@@ -23,7 +23,9 @@ from supervise_fixtures import Supervised, run_supervised
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MISSING = [
-    name for name in ("accelerate", "lightning", "diffusers") if importlib.util.find_spec(name) is None
+    name
+    for name in ("accelerate", "lightning", "diffusers", "transformers")
+    if importlib.util.find_spec(name) is None
 ]
 if MISSING:  # they come with the test extra: `pip install -e .[dev]`
     pytest.skip(

@@ -521,6 +521,12 @@ class Tracer:
                 continue
             if fault.kind == "skip":
                 self._emit_fault(fields)
+                if getattr(_tls, "gradient_bucket", False):
+                    # DDP's reducer issues collectives of its own that are not traced (the map of
+                    # used parameters with find_unused_parameters, the buffer broadcast of the next
+                    # forward): held at the next traced call, one of those would meet the peers'
+                    # pending bucket, which gloo aborts on and NCCL mixes up. It stops here instead.
+                    self._hold(caller)
                 self._hold_next = True
                 atexit.register(self._hold, "exit")
                 return ("skip", _skipped_result(spec, args, kwargs, pi, user_async))
@@ -862,7 +868,11 @@ def bucket_all_reduce(buffer: Any, group: Any, caller: tuple[str, int] | None) -
     tracer = _tracer
     traced = dist.all_reduce
     if tracer is None or caller is None or tracer._slow or tracer._coalescing or getattr(_tls, "busy", False):
-        return traced(buffer, group=group, async_op=True)
+        _tls.gradient_bucket = True  # for a skip fault (`_apply_faults`)
+        try:
+            return traced(buffer, group=group, async_op=True)
+        finally:
+            _tls.gradient_bucket = False
     return tracer.bucket_all_reduce(getattr(traced, "__sddoctor_original__", traced), buffer, group, caller)
 
 
