@@ -11,8 +11,9 @@ at the next forward: that is where step-bound faults (`kill:...,step=S`) fire, a
 Steps are counted on the first DDP model that finishes a synchronised backward (a program with
 several DDP models, a GAN say, counts the steps of that one). A model that carries the user's own
 comm hook (PowerSGD, fp16 compression) keeps it; registered in Python, its last bucket is reported
-the same way (`ddp_hook.watching_user_hook`). Only a built-in C++ hook
-(`register_builtin_comm_hook`) leaves no such signal: its steps end at the next training forward
+the same way (`ddp_hook.watching_user_hook`), and one registered after sddoctor's own hook runs
+from inside it (`ddp_hook.adopt_user_hook`). Only a built-in C++ hook registered before the first
+forward (`register_builtin_comm_hook`) leaves no such signal: its steps end at the next training forward
 after a forward that will synchronise. A program that joined a process group but trains no DDP model (FSDP, gradients averaged by
 hand, DeepSpeed's engine around a torch optimizer) gets its steps from the first torch optimizer
 whose `step()` runs (a global optimizer post-hook): one step per `optimizer.step()`, with its time
