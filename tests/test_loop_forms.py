@@ -2,6 +2,10 @@
 torchrun with 2 gloo ranks: each form runs healthy and unchanged, the user's own comm hook still
 runs, and the inferred steps and samples are the program's.
 
+A program that all-reduces several times per optimizer step (gradient accumulation without
+no_sync, the DCGAN example's discriminator) used to get a step per backward; its steps now end at
+the optimizer step of the counted model.
+
 A comm hook registered after the model's first forward (a sanity check under no_grad) used to meet
 sddoctor's own hook, installed at that forward, and DDP refused the second one: the program died.
 """
@@ -20,9 +24,11 @@ from supervise_fixtures import Supervised, run_supervised
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPT = CLIENTS / "loop_forms.py"
+DCGAN = CLIENTS / "dcgan_style.py"
 STEPS, BATCH = 12, 8
 #: form -> (steps of rank 0, steps of rank 1, hook calls a rank prints, fp16 gradients)
 FORMS: dict[str, tuple[int, int, int, bool]] = {
+    "accum-synced": (STEPS, STEPS, 0, False),
     "hook-after-eval": (STEPS, STEPS, STEPS, False),
     "builtin-after-eval": (STEPS, STEPS, 0, True),
     "fp16-hook": (STEPS, STEPS, 0, True),
@@ -51,10 +57,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
         where.mkdir()
         env = {"FORM": form, "STEPS": str(STEPS), "BATCH": str(BATCH), "OMP_NUM_THREADS": "1"}
         options = ("--hang-timeout", "60", "--port", "0")
-        return form, run_supervised(where, job, options=options, env=env, timeout=240)
+        command = [*job[:-1], str(DCGAN)] if form == "dcgan" else job
+        return form, run_supervised(where, command, options=options, env=env, timeout=240)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, FORMS))
+        return dict(pool.map(one, [*FORMS, "dcgan"]))
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -67,9 +74,25 @@ def test_a_loop_form_runs_unchanged_with_its_steps_counted(runs: dict[str, Any],
     assert "internal error" not in logs, logs[-3000:]
     assert not sddoctor_tracebacks(logs)
     steps0, steps1, calls, fp16 = FORMS[form]
+    micro = 2 if form == "accum-synced" else 1
     for rank, expected in ((0, steps0), (1, steps1)):
         steps = res.events(rank, "step")
         assert [s["step"] for s in steps] == list(range(1, expected + 1)), steps
-        assert all(s["source"] == "ddp" and s.get("samples") == BATCH for s in steps), steps
+        assert all(s["source"] == "ddp" and s.get("samples") == micro * BATCH for s in steps), steps
+        assert all(s["grad_accum"] == micro for s in steps), steps
         # the user's hook ran in every backward, and fp16 compression where the user asked for it
         assert f"rank {rank} hook calls {calls} fp16 gradients {fp16}" in res.stdout + logs
+
+
+def test_a_gan_gets_one_step_per_iteration_of_its_discriminator(runs: dict[str, Any]) -> None:
+    """The discriminator trains first and is counted: three backwards and one optimizer step an
+    iteration. A step ends at its optimizer step, so the generator's pass through it (after that
+    step) opens the next one: 2 forwards in the first step, 3 in every later one."""
+    res = runs["dcgan"]
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.report["verdicts"] == [], res.report["verdicts"]
+    for rank in (0, 1):
+        steps = res.events(rank, "step")
+        assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), steps
+        assert [s["grad_accum"] for s in steps] == [2] + [3] * (STEPS - 1), steps
+        assert {s["samples"] for s in steps[1:]} == {3 * BATCH}, steps

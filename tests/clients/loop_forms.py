@@ -5,7 +5,8 @@ hook), builtin-after-eval (the same with DDP's built-in FP16_COMPRESS hook), bui
 registered right after construction), fp16-hook (the
 fp16_compress_hook registered right after construction), unused (find_unused_parameters=True, a
 branch used every other step), static (static_graph=True, a branch never used), join (Join with uneven inputs: rank 1
-has 3 fewer batches), zero (ZeroRedundancyOptimizer).
+has 3 fewer batches), zero (ZeroRedundancyOptimizer), accum-synced (gradient accumulation over 2
+micro-batches without no_sync: every backward all-reduces, one optimizer step).
 Environment: STEPS (12), BATCH (8). Each rank prints how often the user's hook ran and whether its
 last gradients were float16 values (fp16 compression ran).
 """
@@ -88,9 +89,10 @@ def main():
         for step in range(1, steps + 1):
             optimizer.zero_grad()
             head = step % 2 if FORM == "unused" else 0
-            outputs = model(torch.randn(batch, 10), head=head)  # FORWARD
-            loss = outputs.pow(2).mean()
-            loss.backward()  # BACKWARD
+            for _ in range(2 if FORM == "accum-synced" else 1):
+                outputs = model(torch.randn(batch, 10), head=head)  # FORWARD
+                loss = outputs.pow(2).mean()
+                loss.backward()  # BACKWARD
             # fp16 compression leaves every averaged gradient a float16 value
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             fp16 = all(torch.equal(g, g.half().float()) for g in grads)
