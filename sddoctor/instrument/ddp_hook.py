@@ -74,6 +74,8 @@ class CommHookState:
         #: (state, hook) of a comm hook the user registered after this one was installed: DDP takes
         #: one hook per model, so this hook runs the user's in place of its own all-reduce
         self.user_hook: tuple[Any, Callable[..., Any]] | None = None
+        #: compiled autograd's Python reducer calls the hook per parameter: no bucket ends a backward
+        self.per_parameter = False
 
     def attach(self, process_group: dist.ProcessGroup | None) -> None:
         """A new DDP wrapper took over: its bucket layout is not known yet."""
@@ -117,6 +119,8 @@ class CommHookState:
 
 # No annotations: DDP inspects them and rejects the strings that `from __future__ import annotations` makes.
 def _averaging_allreduce_hook(state, bucket):
+    if isinstance(bucket, tuple):
+        return _reduce_one_gradient(state, bucket)
     index = bucket.index()
     if state.before_launch is not None:
         state.before_launch(index)  # the OOM guard's fault injection: may raise on purpose
@@ -208,6 +212,22 @@ def _user_hook_of(
     except Exception as exc:  # noqa: BLE001 - DDP then takes the call as it came
         internal_error("ddp comm hook registration", exc)
         return None
+
+
+def _reduce_one_gradient(state: CommHookState, grad_and_param: tuple) -> None:
+    """Compiled autograd's Python reducer (torch.compile with optimize_ddp="python_reducer") calls
+    comm hooks once per parameter with (grad, param) and ignores what they return: the gradient is
+    averaged in place exactly as DDP does there without a hook, or by the user's adopted hook."""
+    state.per_parameter = True
+    if state.user_hook is not None:
+        user_state, hook = state.user_hook
+        hook(user_state, grad_and_param)
+        return
+    import torch.distributed._functional_collectives as fcol
+
+    grad = grad_and_param[0]
+    group: Any = state.process_group if state.process_group is not None else dist.group.WORLD
+    grad.copy_(fcol.all_reduce(grad / group.size(), "sum", group))
 
 
 def _account_launch(state: CommHookState, index: int, buffer: torch.Tensor, last: bool) -> None:

@@ -16,7 +16,8 @@ discriminator on real and on fake images, accumulation without no_sync). A model
 comm hook (PowerSGD, fp16 compression) keeps it; registered in Python, its last bucket is reported
 the same way (`ddp_hook.watching_user_hook`), and one registered after sddoctor's own hook runs
 from inside it (`ddp_hook.adopt_user_hook`). Only a built-in C++ hook registered before the first
-forward (`register_builtin_comm_hook`) leaves no such signal: its steps end at the next training forward
+forward (`register_builtin_comm_hook`) and compiled autograd's per-parameter hook calls leave no such
+signal: their steps end at the step() of the model's optimizer, or at the next training forward
 after a forward that will synchronise. A program that joined a process group but trains no DDP model (FSDP, gradients averaged by
 hand, DeepSpeed's engine around a torch optimizer) gets its steps from the first torch optimizer
 whose `step()` runs (a global optimizer post-hook): one step per `optimizer.step()`, with its time
@@ -163,8 +164,8 @@ class StepInference:
         state: Any = ddp_hook.installed_state(model) or ddp_hook.install_unless_claimed(model)
         if state is None:
             state = ddp_hook.user_hook_watch(model)  # the user's own Python hook reports it then
-        if state is None:
-            return False
+        if state is None or getattr(state, "per_parameter", False):
+            return False  # no bucket tells when a backward ends: steps end at the next forward
         if state.on_synced_backward is None:
             state.on_synced_backward = lambda: self._on_synced_backward(model_ref)
         return True
@@ -240,10 +241,20 @@ class StepInference:
         """An optimizer stepped while a DDP model is counted: the end of its step if it is the
         model's own (a wrapper, ZeroRedundancyOptimizer or accelerate's, steps its inner one first)."""
         try:
-            if self._is_owner(optimizer) and self._awaiting_owner:
+            # Without a last bucket (a built-in C++ hook, compiled autograd's per-parameter calls)
+            # a synchronising forward is enough: its backward ran before the optimizer's step
+            unbucketed = self._sync_pending or self._per_parameter()
+            if self._is_owner(optimizer) and not self._ended and (self._awaiting_owner or unbucketed):
                 self._end_step(time.time())
         except Exception as exc:  # noqa: BLE001
             internal_error("step inference (optimizer of a DDP model)", exc)
+
+    def _per_parameter(self) -> bool:
+        from sddoctor.instrument import ddp_hook
+
+        model = self._primary() if self._primary is not None else None
+        state = ddp_hook.installed_state(model) if model is not None else None
+        return bool(getattr(state, "per_parameter", False))
 
     def _end_step(self, now: float, source: str = "ddp") -> None:
         self.step += 1
