@@ -10,7 +10,9 @@
 DDP accepts one comm hook per model. Under `sddoctor run` the bootstrap (`ddp_patch`) installs this
 hook at every DDP model's first forward, unless a comm hook was registered on it by then (the
 user's own, or the OOM guard's); `install_comm_hook(ddp, state)` on a model that already carries
-this hook takes it over instead of registering a second one.
+this hook takes it over instead of registering a second one. A comm hook the user registers on a
+model that already carries this hook runs from inside it, in place of its all-reduce
+(`adopt_user_hook`), since DDP would refuse it.
 
 What it adds to the plain all-reduce, all in memory and without a lock (the hook runs on the
 autograd thread; counters are plain ints under the GIL):
@@ -69,6 +71,11 @@ class CommHookState:
         #: called right after the last bucket too: a synchronised backward ended (step inference);
         #: must not raise
         self.on_synced_backward: Callable[[], None] | None = None
+        #: (state, hook) of a comm hook the user registered after this one was installed: DDP takes
+        #: one hook per model, so this hook runs the user's in place of its own all-reduce
+        self.user_hook: tuple[Any, Callable[..., Any]] | None = None
+        #: compiled autograd's Python reducer calls the hook per parameter: no bucket ends a backward
+        self.per_parameter = False
 
     def attach(self, process_group: dist.ProcessGroup | None) -> None:
         """A new DDP wrapper took over: its bucket layout is not known yet."""
@@ -106,11 +113,14 @@ class CommHookState:
         state["before_launch"] = None
         state["after_last_launch"] = None
         state["on_synced_backward"] = None
+        state["user_hook"] = None
         return state
 
 
 # No annotations: DDP inspects them and rejects the strings that `from __future__ import annotations` makes.
 def _averaging_allreduce_hook(state, bucket):
+    if isinstance(bucket, tuple):
+        return _reduce_one_gradient(state, bucket)
     index = bucket.index()
     if state.before_launch is not None:
         state.before_launch(index)  # the OOM guard's fault injection: may raise on purpose
@@ -120,6 +130,8 @@ def _averaging_allreduce_hook(state, bucket):
         _account_launch(state, index, buffer, last)
     except Exception as exc:  # noqa: BLE001 - accounting must never break the user's backward
         internal_error("ddp comm hook", exc)
+    if state.user_hook is not None:
+        return _run_user_hook(state, bucket, last)
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     # Same arithmetic as DDP's default hook: divide first, then sum (bitwise identical results).
     buffer.div_(dist.get_world_size(group))
@@ -139,10 +151,83 @@ def _averaging_allreduce_hook(state, bucket):
         state.caller = tracing.caller_of_backward()  # the same for every bucket of this backward
     fut = tracing.bucket_all_reduce(buffer, group, state.caller).get_future().then(_done)
     if last:
-        for callback in (state.after_last_launch, state.on_synced_backward):
-            if callback is not None:
-                callback()
+        _after_last_launch(state)
     return fut
+
+
+def _after_last_launch(state: CommHookState) -> None:
+    for callback in (state.after_last_launch, state.on_synced_backward):
+        if callback is not None:
+            callback()
+
+
+def _run_user_hook(state: CommHookState, bucket: Any, last: bool) -> Any:
+    """The user's own hook on this bucket, exactly as registered (its errors are the user's)."""
+    user_state, hook = state.user_hook  # type: ignore[misc]
+    fut = hook(user_state, bucket)
+    if last:
+        _after_last_launch(state)
+    return fut
+
+
+def adopt_user_hook(ddp_model: Any, method: str, args: tuple, kwargs: dict) -> bool:
+    """Run a comm hook the user registers on a model that already carries sddoctor's hook (installed
+    at its first forward: a user may register theirs after an evaluation forward) from within
+    sddoctor's hook, since DDP refuses a second one. False when DDP should take the call itself
+    (no sddoctor hook on the model, or a second registration, which DDP refuses as it would anyway).
+    The user's hook goes through DDP's own checks first, so a hook DDP rejects is still rejected."""
+    state = installed_state(ddp_model)
+    if state is None or state.user_hook is not None:
+        return False
+    user_hook = _user_hook_of(ddp_model, method, args, kwargs)
+    if user_hook is None:
+        return False
+    if method == "register_comm_hook" and hasattr(ddp_model, "_check_comm_hook"):
+        ddp_model._check_comm_hook(user_hook[1])  # raises what DDP raises for a bad hook
+    state.user_hook = user_hook
+    try:
+        name = getattr(user_hook[1], "__qualname__", None) if method == "register_comm_hook" else None
+        ddp_model.logger._set_comm_hook_name(name or str(args[0] if args else kwargs.get("comm_hook_type")))
+    except Exception as exc:  # noqa: BLE001 - DDP's logging only
+        internal_error("ddp comm hook name", exc)
+    return True
+
+
+def _user_hook_of(
+    ddp_model: Any, method: str, args: tuple, kwargs: dict
+) -> tuple[Any, Callable[..., Any]] | None:
+    """(state, hook) of a registration call; a built-in C++ hook as its Python equivalent."""
+    try:
+        if method == "register_comm_hook":
+            bound = dict(zip(("state", "hook"), args, strict=False)) | kwargs
+            return (bound["state"], bound["hook"]) if callable(bound.get("hook")) else None
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        kind: Any = args[0] if args else kwargs.get("comm_hook_type")
+        python_hook = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }.get(kind)
+        return (ddp_model.process_group, python_hook) if python_hook is not None else None
+    except Exception as exc:  # noqa: BLE001 - DDP then takes the call as it came
+        internal_error("ddp comm hook registration", exc)
+        return None
+
+
+def _reduce_one_gradient(state: CommHookState, grad_and_param: tuple) -> None:
+    """Compiled autograd's Python reducer (torch.compile with optimize_ddp="python_reducer") calls
+    comm hooks once per parameter with (grad, param) and ignores what they return: the gradient is
+    averaged in place exactly as DDP does there without a hook, or by the user's adopted hook."""
+    state.per_parameter = True
+    if state.user_hook is not None:
+        user_state, hook = state.user_hook
+        hook(user_state, grad_and_param)
+        return
+    import torch.distributed._functional_collectives as fcol
+
+    grad = grad_and_param[0]
+    group: Any = state.process_group if state.process_group is not None else dist.group.WORLD
+    grad.copy_(fcol.all_reduce(grad / group.size(), "sum", group))
 
 
 def _account_launch(state: CommHookState, index: int, buffer: torch.Tensor, last: bool) -> None:

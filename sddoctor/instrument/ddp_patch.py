@@ -19,7 +19,8 @@ from sddoctor.instrument.safety import internal_error
 
 PostConstruct = Callable[[Any], None]
 _callbacks: list[PostConstruct] = []
-_REGISTER_METHODS = ("register_comm_hook", "register_builtin_comm_hook")
+# torch 2.x names the built-in one with a leading underscore, torch 1.x without
+_REGISTER_METHODS = ("register_comm_hook", "register_builtin_comm_hook", "_register_builtin_comm_hook")
 
 
 def add_post_construct(callback: PostConstruct) -> None:
@@ -40,6 +41,8 @@ def _marking_registration(register: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(register)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _adopted(self, register.__name__, args, kwargs):
+            return None  # sddoctor's hook, already on the model, runs the user's from now on
         if register.__name__ == "register_comm_hook":
             args, kwargs = _user_hook_watched(self, args, kwargs)
         result = register(self, *args, **kwargs)
@@ -53,6 +56,15 @@ def _marking_registration(register: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.__sddoctor_original__ = register  # type: ignore[attr-defined]
     return wrapper
+
+
+def _adopted(model: Any, method: str, args: tuple, kwargs: dict) -> bool:
+    """Whether sddoctor's hook on `model` took the user's registration over (see ddp_hook)."""
+    from sddoctor.instrument import ddp_hook
+
+    return ddp_hook.installed_state(model) is not None and ddp_hook.adopt_user_hook(
+        model, method, args, kwargs
+    )
 
 
 def _user_hook_watched(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

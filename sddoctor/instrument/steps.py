@@ -8,11 +8,16 @@ tensor argument) and the micro-batches between two synchronised backwards, and s
 at the next forward: that is where step-bound faults (`kill:...,step=S`) fire, at the user's own
 `model(x)` line, never inside backward.
 
-Steps are counted on the first DDP model that finishes a synchronised backward (a program with
-several DDP models, a GAN say, counts the steps of that one). A model that carries the user's own
+Steps are counted on the first DDP model that trains (a program with several DDP models, a GAN say,
+counts the steps of that one). When a torch optimizer holding that model's parameters is known (made
+after the optimizer watch was installed, or seen stepping), a step ends at that optimizer's step()
+after a synchronised backward instead: several backwards may feed one optimizer step (a GAN's
+discriminator on real and on fake images, accumulation without no_sync). A model that carries the user's own
 comm hook (PowerSGD, fp16 compression) keeps it; registered in Python, its last bucket is reported
-the same way (`ddp_hook.watching_user_hook`). Only a built-in C++ hook
-(`register_builtin_comm_hook`) leaves no such signal: its steps end at the next training forward
+the same way (`ddp_hook.watching_user_hook`), and one registered after sddoctor's own hook runs
+from inside it (`ddp_hook.adopt_user_hook`). Only a built-in C++ hook registered before the first
+forward (`register_builtin_comm_hook`) and compiled autograd's per-parameter hook calls leave no such
+signal: their steps end at the step() of the model's optimizer, or at the next training forward
 after a forward that will synchronise. A program that joined a process group but trains no DDP model (FSDP, gradients averaged by
 hand, DeepSpeed's engine around a torch optimizer) gets its steps from the first torch optimizer
 whose `step()` runs (a global optimizer post-hook): one step per `optimizer.step()`, with its time
@@ -24,6 +29,7 @@ takes precedence: the first one turns inference off for the rest of the run, and
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -35,6 +41,29 @@ from sddoctor.instrument.safety import internal_error
 
 INFER_ENV = "SDDOCTOR_INFER_STEPS"
 _MAX_DEPTH = 3
+#: every torch optimizer made since the optimizer watch was installed, so that the one updating the
+#: counted DDP model is known before its first step() (see StepInference._owner_known)
+_optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _register_optimizers() -> None:
+    """Have every torch optimizer made from now on join `_optimizers` (idempotent)."""
+    from torch.optim import Optimizer
+
+    init = Optimizer.__init__
+    if getattr(init, "__sddoctor_original__", None) is not None:
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        try:
+            _optimizers.add(self)
+        except Exception as exc:  # noqa: BLE001 - an unhashable optimizer is only not known early
+            internal_error("optimizer registry", exc)
+
+    __init__.__sddoctor_original__ = init  # type: ignore[attr-defined]
+    Optimizer.__init__ = __init__  # type: ignore[method-assign]
 
 
 def first_batch_size(args: tuple, kwargs: dict) -> int | None:
@@ -71,6 +100,11 @@ class StepInference:
         self._last_end: float | None = None
         self._ended = True  # the previous step ended: the next training forward starts one
         self._sync_pending = False  # forward-only mode: a synchronising forward awaits its end
+        # Optimizers that update the counted model's parameters (its owners) and those that do not
+        self._owners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._others: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._primary_params: set[int] = set()
+        self._awaiting_owner = False  # a synchronised backward happened; the step ends at an owner's step()
 
     def attach(self, ddp_model: Any) -> None:
         """Watch `ddp_model` (a DistributedDataParallel just constructed)."""
@@ -85,6 +119,7 @@ class StepInference:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+            _register_optimizers()
 
     # -- hooks -------------------------------------------------------------------------------------
 
@@ -129,8 +164,8 @@ class StepInference:
         state: Any = ddp_hook.installed_state(model) or ddp_hook.install_unless_claimed(model)
         if state is None:
             state = ddp_hook.user_hook_watch(model)  # the user's own Python hook reports it then
-        if state is None:
-            return False
+        if state is None or getattr(state, "per_parameter", False):
+            return False  # no bucket tells when a backward ends: steps end at the next forward
         if state.on_synced_backward is None:
             state.on_synced_backward = lambda: self._on_synced_backward(model_ref)
         return True
@@ -139,16 +174,46 @@ class StepInference:
         if not self.enabled:
             return
         try:
-            if self._primary is not model_ref:
+            if self._primary is not model_ref or self._ended:
                 return
-            if not self._ended:
+            # Several synchronised backwards may feed one optimizer step (a GAN's discriminator
+            # takes one for real and one for fake images, a loop may accumulate without no_sync):
+            # with the optimizer of the model's parameters known, the step ends at its step()
+            if self._owner_known():
+                self._awaiting_owner = True
+            else:
                 self._end_step(time.time())
         except Exception as exc:  # noqa: BLE001
             internal_error("step inference (backward)", exc)
 
+    def _owner_known(self) -> bool:
+        return bool(self._owners) or any(self._is_owner(o) for o in list(_optimizers))
+
+    def _is_owner(self, optimizer: Any) -> bool:
+        """Whether `optimizer` updates parameters of the counted DDP model (decided once)."""
+        try:
+            if optimizer in self._owners:
+                return True
+            if optimizer in self._others or self._primary is None:
+                return False
+        except TypeError:  # an unhashable optimizer cannot be remembered: never an owner
+            return False
+        model = self._primary()
+        if model is None:
+            return False
+        if not self._primary_params:
+            self._primary_params = {id(p) for p in model.parameters()}
+        groups = getattr(optimizer, "param_groups", None) or []
+        owns = any(id(p) in self._primary_params for group in groups for p in group.get("params", ()))
+        (self._owners if owns else self._others).add(optimizer)
+        return owns
+
     def _on_optimizer_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        if not self.enabled or self._primary is not None:
-            return  # a DDP model's synchronised backwards count the steps
+        if not self.enabled:
+            return
+        if self._primary is not None:
+            self._on_owner_step(optimizer)  # a DDP model's synchronised backwards count the steps
+            return
         try:
             if self._optimizer is None:
                 # The first optimizer to step is the one counted: a wrapper (ZeroRedundancyOptimizer,
@@ -172,6 +237,25 @@ class StepInference:
                 raise
             internal_error("step inference (optimizer)", exc)
 
+    def _on_owner_step(self, optimizer: Any) -> None:
+        """An optimizer stepped while a DDP model is counted: the end of its step if it is the
+        model's own (a wrapper, ZeroRedundancyOptimizer or accelerate's, steps its inner one first)."""
+        try:
+            # Without a last bucket (a built-in C++ hook, compiled autograd's per-parameter calls)
+            # a synchronising forward is enough: its backward ran before the optimizer's step
+            unbucketed = self._sync_pending or self._per_parameter()
+            if self._is_owner(optimizer) and not self._ended and (self._awaiting_owner or unbucketed):
+                self._end_step(time.time())
+        except Exception as exc:  # noqa: BLE001
+            internal_error("step inference (optimizer of a DDP model)", exc)
+
+    def _per_parameter(self) -> bool:
+        from sddoctor.instrument import ddp_hook
+
+        model = self._primary() if self._primary is not None else None
+        state = ddp_hook.installed_state(model) if model is not None else None
+        return bool(getattr(state, "per_parameter", False))
+
     def _end_step(self, now: float, source: str = "ddp") -> None:
         self.step += 1
         begun = self._last_end if self._last_end is not None else self._step_started
@@ -189,6 +273,7 @@ class StepInference:
         self._samples_known = True
         self._ended = True
         self._sync_pending = False
+        self._awaiting_owner = False
 
     def stop(self) -> None:
         """An explicit step took over."""
