@@ -59,6 +59,26 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
     }
 
 
+def uncaught_exception() -> BaseException | None:
+    """The exception that ended the main script, read at exit; None when none did.
+
+    Python keeps what it printed as uncaught in sys.last_value (sys.last_exc from 3.12) before it
+    calls sys.excepthook, whoever installed that. The same attribute is set by an interactive
+    prompt or by C code that prints an error it handles, so only a traceback that starts in the
+    main module (a script, or runpy for `python -m`) is taken as the one that ended the program.
+    """
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if not isinstance(exc, BaseException) or isinstance(exc, SystemExit):
+        return None
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    outer = tb.tb_frame
+    if outer.f_globals.get("__name__") in ("__main__", "runpy") or outer.f_code.co_filename.endswith("runpy>"):
+        return exc
+    return None
+
+
 def enable_fatal_dump(path: Path) -> bool:
     """faulthandler into `path` (appended), unless already enabled. True if enabled now."""
     import faulthandler
