@@ -1,10 +1,12 @@
 """A small DDP program for the launch forms of tests/test_launch_forms.py, with what users add.
 
 Environment: STEPS (10), BOOM (rank 1 raises at that step, attempt 0 of a torchrun restart only),
+SEGV (rank 1 dies of a segmentation fault in native code at that step),
 EXCEPTHOOK=1 (a logging sys.excepthook that does not chain to the one before it), RECORD=1
 (main wrapped in torch.distributed.elastic's @record).
 """
 
+import ctypes
 import logging
 import os
 import sys
@@ -35,6 +37,8 @@ def main():
         opt.zero_grad()
         if rank == 1 and attempt == 0 and step == int(os.environ.get("BOOM", "0")):
             raise RuntimeError("boom in user code")  # BOOM
+        if rank == 1 and step == int(os.environ.get("SEGV", "0")):
+            ctypes.string_at(0)  # SEGV
         out = model(torch.randn(8, 10))  # FORWARD
         out.sum().backward()  # BACKWARD
         opt.step()

@@ -31,3 +31,13 @@ def test_an_exception_is_named_under_the_users_own_excepthook(tmp_path: Path) ->
     _crash_of_rank_1_at_boom(res)
     (exc,) = res.events(1, "exception")
     assert exc["type"] == "RuntimeError" and exc["caller"] == script_line("# BOOM", SCRIPT), exc
+
+
+def test_a_native_crash_is_located_under_elastic_record(tmp_path: Path) -> None:
+    # @record enables faulthandler on stderr; the rank's fatal-signal dump must still be its own
+    res = _run(tmp_path, SEGV="3", RECORD="1")
+    assert res.returncode in (1, 124), res.stderr[-3000:]
+    (v,) = res.verdicts("crash")
+    assert v["culprit_rank"] == 1, v
+    assert v["location"] == script_line("# SEGV", SCRIPT), v
+    assert v["details"]["fatal"]["error"] == "Segmentation fault", v

@@ -6,8 +6,9 @@
   and `os._exit`, which skips atexit, writes the `exit` event and flushes first.
 - Fatal signals (SIGSEGV, SIGABRT from gloo/NCCL, SIGFPE, SIGBUS, SIGILL): `faulthandler`
   writes the Python stack of every thread to `ranks/rank-NNNNN.fatal` (left alone if the
-  user enabled faulthandler already). No Python code can run there, so this is the only
-  record of where such a rank was.
+  user enabled faulthandler already; a later `faulthandler.enable()` for stderr, as
+  torch.distributed.elastic's `@record` makes, keeps that file, one for another file is done).
+  No Python code can run there, so this is the only record of where such a rank was.
 - SIGTERM (what torchrun sends to the surviving ranks when one fails): a Python handler
   flushes and then does what the previous disposition did (a previous Python handler is
   called; the default action is re-raised so the exit status stays "killed by SIGTERM").
@@ -87,11 +88,38 @@ def enable_fatal_dump(path: Path) -> bool:
         return False
     old = _installed.pop("fatal_file", None)
     fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - must stay open for the signal handler
-    faulthandler.enable(fh, all_threads=True)
+    _keep_fatal_dump_on_stderr_enable()
+    _installed["faulthandler.enable"](fh, all_threads=True)
     _installed["fatal_file"] = fh
     if old is not None:
         old.close()
     return True
+
+
+def _keep_fatal_dump_on_stderr_enable() -> None:
+    """Wrap faulthandler.enable so that a later call for stderr (its default) keeps the rank's dump
+    file: torch.distributed.elastic's @record calls it on every decorated main, and the job's
+    stderr is a stream of all ranks that names none of them, so the dump would no longer tell
+    which rank died where. A call for another file is the program's choice and is done as asked."""
+    import faulthandler
+
+    if "faulthandler.enable" in _installed:
+        return
+    original = faulthandler.enable
+    _installed["faulthandler.enable"] = original
+
+    def enable(*args: Any, **kwargs: Any) -> None:
+        try:
+            target = args[0] if args else kwargs.get("file", sys.stderr)
+            keep = "fatal_file" in _installed and (target is sys.stderr or target is sys.__stderr__)
+        except Exception:  # noqa: BLE001 - the program's call goes through then
+            keep = False
+        if not keep:
+            original(*args, **kwargs)
+            _installed.pop("fatal_file", None)  # the program's own file from now on
+
+    enable.__doc__ = original.__doc__
+    faulthandler.enable = enable
 
 
 def install(session: Any, *, grace: float = 1.0) -> None:
