@@ -1,7 +1,8 @@
 """A small DDP program for the launch forms of tests/test_launch_forms.py, with what users add.
 
 Environment: STEPS (10), BOOM (rank 1 raises at that step, attempt 0 of a torchrun restart only),
-SEGV (rank 1 dies of a segmentation fault in native code at that step),
+SEGV (rank 1 dies of a segmentation fault in native code at that step), KILL (rank 1 is killed by
+SIGKILL at that step, attempt 0 only: the OOM killer, a one-time node problem),
 EXCEPTHOOK=1 (a logging sys.excepthook that does not chain to the one before it), RECORD=1
 (main wrapped in torch.distributed.elastic's @record).
 """
@@ -9,6 +10,7 @@ EXCEPTHOOK=1 (a logging sys.excepthook that does not chain to the one before it)
 import ctypes
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -37,6 +39,8 @@ def main():
         opt.zero_grad()
         if rank == 1 and attempt == 0 and step == int(os.environ.get("BOOM", "0")):
             raise RuntimeError("boom in user code")  # BOOM
+        if rank == 1 and attempt == 0 and step == int(os.environ.get("KILL", "0")):
+            os.kill(os.getpid(), signal.SIGKILL)  # KILL
         if rank == 1 and step == int(os.environ.get("SEGV", "0")):
             ctypes.string_at(0)  # SEGV
         out = model(torch.randn(8, 10))  # FORWARD

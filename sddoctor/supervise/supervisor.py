@@ -226,7 +226,9 @@ class Supervisor:
             rank = self.watcher._rank(rank_id)
             if rank.pid is not None and proc.pid != rank.pid:
                 if proc.exit is not None:
-                    continue  # an earlier process of a restarted rank: the rank's own word wins
+                    # an earlier process of a restarted rank: the rank's own word wins
+                    rank.note_earlier_exit(proc.pid, proc.exit)
+                    continue
                 if rank.process_ended:
                     rank.restart(proc.pid)  # the launcher started a new process for this rank
             rank.pid = proc.pid
