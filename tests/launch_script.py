@@ -2,7 +2,8 @@
 
 Environment: STEPS (10), BOOM (rank 1 raises at that step, attempt 0 of a torchrun restart only),
 SEGV (rank 1 dies of a segmentation fault in native code at that step), KILL (rank 1 is killed by
-SIGKILL at that step, attempt 0 only: the OOM killer, a one-time node problem),
+SIGKILL at that step, attempt 0 only: the OOM killer, a one-time node problem), HELPER=1 (each
+rank starts a Python child that outlives it, as a metrics or evaluation helper can),
 EXCEPTHOOK=1 (a logging sys.excepthook that does not chain to the one before it), RECORD=1
 (main wrapped in torch.distributed.elastic's @record).
 """
@@ -11,6 +12,7 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 import torch
@@ -33,6 +35,8 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("HELPER"):
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     model = DDP(nn.Linear(10, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1, int(os.environ.get("STEPS", "10")) + 1):

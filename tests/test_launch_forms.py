@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "launch_script.py"
@@ -45,11 +46,13 @@ def test_a_native_crash_is_located_under_elastic_record(tmp_path: Path) -> None:
     assert v["details"]["fatal"]["error"] == "Segmentation fault", v
 
 
-def test_a_restart_after_a_rank_was_killed_names_that_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("helper", ["", "1"], ids=["plain", "with-a-child-that-outlives-the-rank"])
+def test_a_restart_after_a_rank_was_killed_names_that_rank(tmp_path: Path, helper: str) -> None:
     # torchrun --max-restarts 1: rank 1 is killed hard on the first attempt, rank 0 then loses its
     # peer; the restart is blamed on rank 1, not on rank 0's "connection reset by peer". (Whether the
-    # second attempt runs is torch's matter: on gloo its ranks at times cannot connect.)
-    res = _run(tmp_path, "--max-restarts=1", KILL="3")
+    # second attempt runs is torch's matter: on gloo its ranks at times cannot connect.) A child that
+    # inherited RANK=1 and outlives rank 1 is not taken for rank 1.
+    res = _run(tmp_path, "--max-restarts=1", KILL="3", HELPER=helper)
     (v,) = res.verdicts("restarted")
     assert v["culprit_rank"] == 1, v
     assert "killed" in v["summary"] and v["details"]["attempt"] == 1, v

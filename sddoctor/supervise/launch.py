@@ -88,6 +88,7 @@ def rank_env(run_dir: Path, base: dict[str, str] | None = None) -> tuple[dict[st
     else:
         # It puts its bootstrap directory (and this sddoctor) first on PYTHONPATH.
         env.update({k: str(v) for k, v in boot.rank_environment(run_dir, env).items()})
+        env.pop(boot.RANK_PID_ENV, None)  # started from inside a rank: this job's ranks are ranks
     if warning is not None:
         package_root = str(Path(__file__).resolve().parents[2])
         old = env.get("PYTHONPATH")

@@ -159,7 +159,11 @@ class Job:
                 environ = proc.environ()
             except psutil.Error:
                 continue
-            if environ.get("SDDOCTOR_RUN_DIR") != self.run_dir or "RANK" not in environ:
+            if (
+                environ.get("SDDOCTOR_RUN_DIR") != self.run_dir
+                or "RANK" not in environ
+                or _child_of_rank(pid, environ)
+            ):
                 # Its environment will not change once it has exec'd (a fresh fork may not have yet).
                 try:
                     if time.time() - proc.create_time() > 2.0:
@@ -407,3 +411,13 @@ def install_forwarding(job: Job, on_signal: Callable[[int], None]) -> Callable[[
 
     del job
     return restore
+
+
+def _child_of_rank(pid: int, environ: dict[str, str]) -> bool:
+    """Whether the process inherited RANK from a rank that started it (a subprocess, a DataLoader
+    worker): each rank puts its own pid into its environment (`boot.RANK_PID_ENV`) for its children.
+    Such a process can outlive its rank, and would otherwise be taken for the rank's restart."""
+    from sddoctor.instrument.boot import RANK_PID_ENV
+
+    owner = environ.get(RANK_PID_ENV)
+    return bool(owner) and owner != str(pid)
