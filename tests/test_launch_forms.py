@@ -57,3 +57,13 @@ def test_a_restart_after_a_rank_was_killed_names_that_rank(tmp_path: Path, helpe
     assert v["culprit_rank"] == 1, v
     assert "killed" in v["summary"] and v["details"]["attempt"] == 1, v
     assert not any(v["culprit_rank"] == 0 for v in res.verdicts("crash") if "reset by peer" in v["summary"])
+
+
+def test_a_restart_leaves_the_health_waits_of_each_attempt_apart(tmp_path: Path) -> None:
+    # the restarted processes number their collectives from 1 again: the time between the attempts
+    # is no rank's wait for another
+    res = _run(tmp_path, "--max-restarts=1", BOOM="3")
+    (v,) = res.verdicts("restarted")
+    assert v["culprit_rank"] == 1 and v["location"] == script_line("# BOOM", SCRIPT), v
+    for rank, health in res.report["health"]["ranks"].items():
+        assert health["waited_seconds"] <= health["collective_seconds"] + 1e-6, (rank, health)
