@@ -5,10 +5,15 @@ verdict, the culprit rank or the user's line. 2 ranks on CPU with gloo under tor
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+
+from conftest import free_port, subprocess_env
 
 SCRIPT = Path(__file__).resolve().parent / "launch_script.py"
 HANG = ("--hang-timeout", "8", "--on-hang", "kill")
@@ -67,3 +72,34 @@ def test_a_restart_leaves_the_health_waits_of_each_attempt_apart(tmp_path: Path)
     assert v["culprit_rank"] == 1 and v["location"] == script_line("# BOOM", SCRIPT), v
     for rank, health in res.report["health"]["ranks"].items():
         assert health["waited_seconds"] <= health["collective_seconds"] + 1e-6, (rank, health)
+
+
+def test_torchruns_options_from_pet_variables_give_the_world(tmp_path: Path) -> None:
+    # two nodes on 127.0.0.1, one rank each, whose node count and rank come from PET_NNODES and
+    # PET_NODE_RANK (as a cluster's job script sets them): the world is 2, so a fault for rank 1 is
+    # valid on both nodes, and rank 1's crash is named on its node
+    master = free_port()
+    procs = []
+    for node in (0, 1):
+        env = subprocess_env(PET_NNODES="2", PET_NODE_RANK=str(node), SDDOCTOR_FAULT="raise:rank=1,step=3")
+        cmd = [
+            sys.executable, "-m", "sddoctor", "run", "--quiet", *HANG, "--port", "0",
+            "--run-dir", str(tmp_path / f"node{node}"), "--",
+            *torchrun(1, "--master-addr", "127.0.0.1", "--master-port", str(master), str(SCRIPT)),
+        ]  # fmt: skip
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=tmp_path), log))
+    try:
+        codes = [p.wait(timeout=150) for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    assert 2 not in codes, (tmp_path / "node1.log").read_text()[-3000:]
+    for node in (0, 1):
+        run = json.loads((tmp_path / f"node{node}" / "run.json").read_text())
+        assert (run["world_size"], run["node_rank"]) == (2, node), run
+    report = json.loads((tmp_path / "node1" / "report.json").read_text())
+    assert [(v["kind"], v["culprit_rank"]) for v in report["verdicts"]] == [("crash", 1)], report["verdicts"]
