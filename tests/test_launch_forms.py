@@ -51,6 +51,7 @@ def test_a_native_crash_is_located_under_elastic_record(tmp_path: Path) -> None:
     assert v["details"]["fatal"]["error"] == "Segmentation fault", v
 
 
+@pytest.mark.slow  # up to the start-up timeout when the restarted gloo ranks cannot connect
 @pytest.mark.parametrize("helper", ["", "1"], ids=["plain", "with-a-child-that-outlives-the-rank"])
 def test_a_restart_after_a_rank_was_killed_names_that_rank(tmp_path: Path, helper: str) -> None:
     # torchrun --max-restarts 1: rank 1 is killed hard on the first attempt, rank 0 then loses its
@@ -64,6 +65,7 @@ def test_a_restart_after_a_rank_was_killed_names_that_rank(tmp_path: Path, helpe
     assert not any(v["culprit_rank"] == 0 for v in res.verdicts("crash") if "reset by peer" in v["summary"])
 
 
+@pytest.mark.slow
 def test_a_restart_leaves_the_health_waits_of_each_attempt_apart(tmp_path: Path) -> None:
     # the restarted processes number their collectives from 1 again: the time between the attempts
     # is no rank's wait for another
