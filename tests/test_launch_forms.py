@@ -105,3 +105,29 @@ def test_torchruns_options_from_pet_variables_give_the_world(tmp_path: Path) -> 
         assert (run["world_size"], run["node_rank"]) == (2, node), run
     report = json.loads((tmp_path / "node1" / "report.json").read_text())
     assert [(v["kind"], v["culprit_rank"]) for v in report["verdicts"]] == [("crash", 1)], report["verdicts"]
+
+
+FAULTHANDLER_CALLS = """
+import faulthandler, pathlib, sys
+from sddoctor.instrument import exit_hooks
+d = pathlib.Path(sys.argv[1])
+assert exit_hooks.enable_fatal_dump(d / "rank.fatal")
+faulthandler.enable()  # for stderr, as @record does: the rank's file stays
+assert faulthandler.is_enabled() and "fatal_file" in exit_hooks._installed
+faulthandler.disable()
+faulthandler.enable()  # disabled, then on again for stderr: into the rank's file again
+assert faulthandler.is_enabled() and "fatal_file" in exit_hooks._installed
+faulthandler.enable(file=open(d / "mine.log", "w"))  # a file of the program's own: as asked
+assert faulthandler.is_enabled() and "fatal_file" not in exit_hooks._installed
+"""
+
+
+def test_the_programs_faulthandler_calls_and_the_ranks_dump_file(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FAULTHANDLER_CALLS, str(tmp_path)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr

@@ -117,6 +117,11 @@ def _keep_fatal_dump_on_stderr_enable() -> None:
         if not keep:
             original(*args, **kwargs)
             _installed.pop("fatal_file", None)  # the program's own file from now on
+        elif not faulthandler.is_enabled():  # the program disabled it first: on again, into our file
+            try:
+                original(_installed["fatal_file"], all_threads=True)
+            except Exception:  # noqa: BLE001 - never into the program's call
+                original(*args, **kwargs)
 
     enable.__doc__ = original.__doc__
     faulthandler.enable = enable
