@@ -131,3 +131,22 @@ def test_the_programs_faulthandler_calls_and_the_ranks_dump_file(tmp_path: Path)
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_healthy_run_reports_ok_with_steps_and_exports_its_trace(tmp_path: Path) -> None:
+    # inferred DDP steps follow each other within microseconds: their slices must nest for Perfetto
+    res = _run(tmp_path, "--no-python", sys.executable, STEPS="20")
+    assert res.returncode == 0 and res.report["outcome"] == "ok", res.stderr[-3000:]
+    assert res.report["verdicts"] == [], res.report["verdicts"]
+    for rank in (0, 1):
+        assert [s["step"] for s in res.events(rank, "step")] == list(range(1, 21))
+    out = tmp_path / "trace.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "sddoctor", "trace", str(res.run_dir), "-o", str(out)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["traceEvents"]

@@ -220,6 +220,11 @@ def _steps(rank: int, events: list[dict[str, Any]]) -> list[Step]:
         length = record.step_time
         if length is not None and length >= 0:
             t0 = t1 - length
+            if previous_end is not None and previous_end <= t1:
+                # one rank's steps follow each other: a start a few microseconds before the previous
+                # end is the rounding of `step_time` and of the clock (inferred DDP steps end at the
+                # last bucket and start at the next forward), not an overlap
+                t0 = max(t0, previous_end)
         elif previous_end is not None:
             t0 = previous_end
         else:
