@@ -72,8 +72,10 @@ def test_a_restart_leaves_the_health_waits_of_each_attempt_apart(tmp_path: Path)
     res = _run(tmp_path, "--max-restarts=1", BOOM="3")
     (v,) = res.verdicts("restarted")
     assert v["culprit_rank"] == 1 and v["location"] == script_line("# BOOM", SCRIPT), v
+    # the restart takes seconds (the launcher notices, stops the others, meets again); the tiny
+    # model's ranks wait milliseconds for each other within an attempt
     for rank, health in res.report["health"]["ranks"].items():
-        assert health["waited_seconds"] <= health["collective_seconds"] + 1e-6, (rank, health)
+        assert (health["waited_seconds"] or 0.0) < 2.0, (rank, health)
 
 
 def test_torchruns_options_from_pet_variables_give_the_world(tmp_path: Path) -> None:
