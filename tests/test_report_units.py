@@ -145,6 +145,21 @@ def test_matching_names_the_last_arrival_and_each_ranks_wait():
     assert tl.start == T0 - 1 and window(tl) == (pytest.approx(T0 - 0.05 * (tl.end - T0)), tl.end)
 
 
+def test_collectives_of_a_restarted_process_match_only_their_own_attempt():
+    # torchrun --max-restarts: both ranks restart 10 s in and number their collectives from 1 again;
+    # seq 1 of the first processes is not seq 1 of the new ones (no 10 s wait between them)
+    starts = [{"kind": "start", "t": T0 - 1}, {"kind": "start", "t": T0 + 10}]
+    raw = {
+        0: {"events": starts, "calls": _calls(0, [T0, T0 + 1]) + _calls(0, [T0 + 11, T0 + 12])},
+        1: {"events": starts, "calls": _calls(1, [T0 + 0.1, T0 + 1.1]) + _calls(1, [T0 + 11.2])},
+    }
+    tl = build_timeline(raw, [])
+    assert tl.matched == 3
+    assert [c.attempt for c in tl.lanes[0].calls] == [0, 0, 1, 1]
+    assert lane_stats(tl.lanes[0])["waited_seconds"] == pytest.approx(0.1 + 0.1 + 0.2)
+    assert lane_stats(tl.lanes[1])["waited_seconds"] == pytest.approx(0.0)
+
+
 def test_a_rank_that_never_arrived_is_marked_and_the_others_wait_to_their_end():
     snapshot = {
         "collectives": {"inflight": [{"pg": "0", "seq": 3, "op": "all_reduce", "since": T0 + 2.0}]},

@@ -81,6 +81,7 @@ class RankSession:
         self._exit: tuple[str, int | None] | None = None
         self._exit_written = False
         self._exit_call: str | None = None  # where sys.exit(status != 0) was called
+        self._uncaught_recorded = False
         self._fatal_dump = False
         self._closed = False
         self.writer.update_state(local_rank=local_rank, world_size=world_size, status="running")
@@ -172,6 +173,8 @@ class RankSession:
             fields["collective"] = failed.as_dict()  # the exception came out of this collective
         if handled:
             fields["handled"] = True
+        else:
+            self._uncaught_recorded = True
         self.writer.emit(EventKind.EXCEPTION, step=self.current_step, **fields)
         self.mark_exit("error", 1)
         self.writer.flush()
@@ -186,6 +189,19 @@ class RankSession:
             self.record_exception(handling, handling.__traceback__, handled=True)
         self._exit_call = self._exit_call or caller
         self.mark_exit("error", status if isinstance(status, int) else 1)
+
+    def _record_missed_uncaught(self) -> None:
+        """The script replaced sys.excepthook without calling ours (a logging hook that calls
+        sys.__excepthook__): its uncaught exception, which Python keeps in sys.last_value, is
+        recorded at exit instead."""
+        try:
+            from sddoctor.instrument.exit_hooks import uncaught_exception
+
+            exc = uncaught_exception()
+            if exc is not None:
+                self.record_exception(exc, exc.__traceback__)
+        except Exception as exc:  # noqa: BLE001 - the rank is exiting; its exit event must still be written
+            internal_error("uncaught exception at exit", exc)
 
     def _exit_fields(self) -> dict[str, Any]:
         return {"caller": self._exit_call} if self._exit_call else {}
@@ -336,6 +352,8 @@ class RankSession:
         if self._closed:
             return
         self._closed = True
+        if not self._uncaught_recorded and self.pid == os.getpid():
+            self._record_missed_uncaught()
         if self._exit is not None:
             status, code = self._exit
         if not self.rank_known:

@@ -6,8 +6,9 @@
   and `os._exit`, which skips atexit, writes the `exit` event and flushes first.
 - Fatal signals (SIGSEGV, SIGABRT from gloo/NCCL, SIGFPE, SIGBUS, SIGILL): `faulthandler`
   writes the Python stack of every thread to `ranks/rank-NNNNN.fatal` (left alone if the
-  user enabled faulthandler already). No Python code can run there, so this is the only
-  record of where such a rank was.
+  user enabled faulthandler already; a later `faulthandler.enable()` for stderr, as
+  torch.distributed.elastic's `@record` makes, keeps that file, one for another file is done).
+  No Python code can run there, so this is the only record of where such a rank was.
 - SIGTERM (what torchrun sends to the surviving ranks when one fails): a Python handler
   flushes and then does what the previous disposition did (a previous Python handler is
   called; the default action is re-raised so the exit status stays "killed by SIGTERM").
@@ -59,6 +60,26 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
     }
 
 
+def uncaught_exception() -> BaseException | None:
+    """The exception that ended the main script, read at exit; None when none did.
+
+    Python keeps what it printed as uncaught in sys.last_value (sys.last_exc from 3.12) before it
+    calls sys.excepthook, whoever installed that. The same attribute is set by an interactive
+    prompt or by C code that prints an error it handles, so only a traceback that starts in the
+    main module (a script, or runpy for `python -m`) is taken as the one that ended the program.
+    """
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if not isinstance(exc, BaseException) or isinstance(exc, SystemExit):
+        return None
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    outer = tb.tb_frame
+    if outer.f_globals.get("__name__") in ("__main__", "runpy") or outer.f_code.co_filename.endswith("runpy>"):
+        return exc
+    return None
+
+
 def enable_fatal_dump(path: Path) -> bool:
     """faulthandler into `path` (appended), unless already enabled. True if enabled now."""
     import faulthandler
@@ -67,11 +88,43 @@ def enable_fatal_dump(path: Path) -> bool:
         return False
     old = _installed.pop("fatal_file", None)
     fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - must stay open for the signal handler
-    faulthandler.enable(fh, all_threads=True)
+    _keep_fatal_dump_on_stderr_enable()
+    _installed["faulthandler.enable"](fh, all_threads=True)
     _installed["fatal_file"] = fh
     if old is not None:
         old.close()
     return True
+
+
+def _keep_fatal_dump_on_stderr_enable() -> None:
+    """Wrap faulthandler.enable so that a later call for stderr (its default) keeps the rank's dump
+    file: torch.distributed.elastic's @record calls it on every decorated main, and the job's
+    stderr is a stream of all ranks that names none of them, so the dump would no longer tell
+    which rank died where. A call for another file is the program's choice and is done as asked."""
+    import faulthandler
+
+    if "faulthandler.enable" in _installed:
+        return
+    original = faulthandler.enable
+    _installed["faulthandler.enable"] = original
+
+    def enable(*args: Any, **kwargs: Any) -> None:
+        try:
+            target = args[0] if args else kwargs.get("file", sys.stderr)
+            keep = "fatal_file" in _installed and (target is sys.stderr or target is sys.__stderr__)
+        except Exception:  # noqa: BLE001 - the program's call goes through then
+            keep = False
+        if not keep:
+            original(*args, **kwargs)
+            _installed.pop("fatal_file", None)  # the program's own file from now on
+        elif not faulthandler.is_enabled():  # the program disabled it first: on again, into our file
+            try:
+                original(_installed["fatal_file"], all_threads=True)
+            except Exception:  # noqa: BLE001 - never into the program's call
+                original(*args, **kwargs)
+
+    enable.__doc__ = original.__doc__
+    faulthandler.enable = enable
 
 
 def install(session: Any, *, grace: float = 1.0) -> None:

@@ -212,6 +212,13 @@ def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
                     merged["code"] = code
                 merged["source"] = "launcher"
             exit_info = merged
+    return _unclean_marked(exit_info)
+
+
+def _unclean_marked(exit_info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`exit_info`, marked `unclean` when the process was seen gone, by no wait status (not
+    sddoctor's child: an mp.spawn worker, a torchrun worker) and without an exit event of its own:
+    it was killed hard (SIGKILL, the OOM killer)."""
     if (
         exit_info
         and exit_info.get("source") == "process watch"
@@ -219,9 +226,7 @@ def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
         and not exit_info.get("signal")
         and exit_info.get("status") is None
     ):
-        # Seen gone, by no wait status (not sddoctor's child: an mp.spawn worker) and without an exit
-        # event of its own: it was killed hard (SIGKILL, the OOM killer).
-        exit_info = {**exit_info, "unclean": True}
+        return {**exit_info, "unclean": True}
     return exit_info
 
 
@@ -1459,16 +1464,22 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
     failures = []
     for rank in state.ranks.values():
         for number, attempt in enumerate(rank.attempts, start=1):
-            exc, exit_info = attempt.get("exception"), attempt.get("exit")
+            exc, exit_info = attempt.get("exception"), _unclean_marked(attempt.get("exit"))
             if exc is None and not _abnormal(exit_info):
                 continue
             times = [t for t in ((exc or {}).get("t"), (exit_info or {}).get("t")) if isinstance(t, (int, float))]
-            failures.append((min(times) if times else float("inf"), number, rank, attempt))
+            sig = (exit_info or {}).get("signal")
+            # as for a crash: a rank that lost its peer ("connection closed", torchrun's SIGTERM) is
+            # not the failure that made the launcher restart when another rank of that attempt failed
+            victim = bool(sig and int(sig) in _STOP_SIGNALS) or bool(
+                _PEER_FAILURE.search(str((exc or {}).get("message", "")))
+            )
+            failures.append((number, victim, min(times) if times else float("inf"), rank, attempt))
     if not failures:
         return []
-    _, number, rank, attempt = min(failures, key=lambda f: (f[0], f[2].rank))
+    number, _, _, rank, attempt = min(failures, key=lambda f: (f[0], f[1], f[2], f[3].rank))
     exc = attempt.get("exception")
-    how = _raised(exc) if exc else describe_exit(attempt.get("exit"))
+    how = _raised(exc) if exc else describe_exit(_unclean_marked(attempt.get("exit")))
     location = _exception_location(exc, rank)
     restarted = sorted(r.rank for r in state.ranks.values() if r.attempts)
     summary = (
@@ -1479,7 +1490,7 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
     )
     evidence = [
         f"rank {r.rank}: earlier process{'es' if len(r.attempts) > 1 else ''} "
-        + ", ".join(f"pid {a.get('pid')} ({describe_exit(a.get('exit'))})" for a in r.attempts)
+        + ", ".join(f"pid {a.get('pid')} ({describe_exit(_unclean_marked(a.get('exit')))})" for a in r.attempts)
         + f"; now pid {r.pid}"
         for r in sorted(state.ranks.values(), key=lambda r: r.rank)
         if r.attempts

@@ -58,8 +58,13 @@ def world_size_hint(command: list[str]) -> int | None:
     if kind == "accelerate":
         n = _option(args, "--num_processes", "--num-processes")
         return int(n) if n and n.isdigit() else None
-    nproc = _option(args, "--nproc-per-node", "--nproc_per_node")
-    nnodes = _option(args, "--nnodes") or "1"
+    # torchrun takes each option it is not given from PET_<NAME> (a cluster's job script often sets
+    # PET_NNODES and PET_NODE_RANK), so a world read from the command alone can be too small
+    nproc = _option(args, "--nproc-per-node", "--nproc_per_node") or os.environ.get("PET_NPROC_PER_NODE")
+    nnodes = _option(args, "--nnodes") or os.environ.get("PET_NNODES") or "1"
+    low, _, high = nnodes.partition(":")
+    if high and low == high:
+        nnodes = low  # "2:2": elastic bounds that leave one size
     if nproc and nproc.isdigit() and nnodes.isdigit():
         return int(nproc) * int(nnodes)
     return None
@@ -68,6 +73,8 @@ def world_size_hint(command: list[str]) -> int | None:
 def node_rank_hint(command: list[str]) -> int:
     args = _launcher_args(command)
     value = _option(args, "--node-rank", "--node_rank", "--machine_rank", "--machine-rank")
+    if value is None and launcher_kind(command) == "torchrun":
+        value = os.environ.get("PET_NODE_RANK")
     value = value or os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK")
     return int(value) if value and value.isdigit() else 0
 
@@ -88,6 +95,7 @@ def rank_env(run_dir: Path, base: dict[str, str] | None = None) -> tuple[dict[st
     else:
         # It puts its bootstrap directory (and this sddoctor) first on PYTHONPATH.
         env.update({k: str(v) for k, v in boot.rank_environment(run_dir, env).items()})
+        env.pop(boot.RANK_PID_ENV, None)  # started from inside a rank: this job's ranks are ranks
     if warning is not None:
         package_root = str(Path(__file__).resolve().parents[2])
         old = env.get("PYTHONPATH")

@@ -72,6 +72,8 @@ class Job:
     #: pid -> process for every descendant seen (kept after death for the final sweep).
     descendants: dict[int, psutil.Process] = field(default_factory=dict)
     ranks: dict[int, RankProcess] = field(default_factory=dict)
+    #: processes a rank had before the launcher restarted it (their exits still tell how they ended)
+    earlier: list[RankProcess] = field(default_factory=list)
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=400))
     #: Exit status of orphans reaped by this process (as subreaper): pid -> raw wait status.
     reaped: dict[int, int] = field(default_factory=dict)
@@ -159,7 +161,11 @@ class Job:
                 environ = proc.environ()
             except psutil.Error:
                 continue
-            if environ.get("SDDOCTOR_RUN_DIR") != self.run_dir or "RANK" not in environ:
+            if (
+                environ.get("SDDOCTOR_RUN_DIR") != self.run_dir
+                or "RANK" not in environ
+                or _child_of_rank(pid, environ)
+            ):
                 # Its environment will not change once it has exec'd (a fresh fork may not have yet).
                 try:
                     if time.time() - proc.create_time() > 2.0:
@@ -180,12 +186,22 @@ class Job:
             top = [(p, e) for p, e in procs if _safe_ppid(p) not in pids or p.pid == launcher_pid]
             proc, environ = (top or procs)[0]
             local = environ.get("LOCAL_RANK")
-            self.ranks[rank] = RankProcess(
-                rank=rank,
-                pid=proc.pid,
-                process=proc,
-                local_rank=int(local) if local and local.isdigit() else None,
+            self._register(
+                RankProcess(
+                    rank=rank,
+                    pid=proc.pid,
+                    process=proc,
+                    local_rank=int(local) if local and local.isdigit() else None,
+                )
             )
+
+    def _register(self, new: RankProcess) -> None:
+        """`new` is the rank's process now; the one it replaces is kept in `earlier`."""
+        old = self.ranks.get(new.rank)
+        if old is not None and old.pid != new.pid:
+            self.earlier.append(old)
+            del self.earlier[:-64]
+        self.ranks[new.rank] = new
 
     def add_rank(self, rank: int, pid: int) -> None:
         """Register a rank process by pid (e.g. the launcher itself for a plain `python script.py`)."""
@@ -195,7 +211,7 @@ class Job:
             proc = self.descendants.get(pid) or psutil.Process(pid)
         except psutil.Error:
             return
-        self.ranks[rank] = RankProcess(rank=rank, pid=pid, process=proc)
+        self._register(RankProcess(rank=rank, pid=pid, process=proc))
 
     def unjoined_processes(self, not_ranks: set[int] | None = None) -> list[psutil.Process]:
         """Live Python processes of the job that are not ranks and not children of ranks: workers
@@ -246,7 +262,7 @@ class Job:
         """Notice rank deaths within ~50 ms, so that 'who died first' is answered by the clock."""
         while not self._stop_death_watch.wait(0.05):
             with self._lock:
-                ranks = list(self.ranks.values())
+                ranks = list(self.ranks.values()) + [r for r in self.earlier if r.exit is None]
             for rank in ranks:
                 if rank.exit is not None:
                     continue
@@ -407,3 +423,13 @@ def install_forwarding(job: Job, on_signal: Callable[[int], None]) -> Callable[[
 
     del job
     return restore
+
+
+def _child_of_rank(pid: int, environ: dict[str, str]) -> bool:
+    """Whether the process inherited RANK from a rank that started it (a subprocess, a DataLoader
+    worker): each rank puts its own pid into its environment (`boot.RANK_PID_ENV`) for its children.
+    Such a process can outlive its rank, and would otherwise be taken for the rank's restart."""
+    from sddoctor.instrument.boot import RANK_PID_ENV
+
+    owner = environ.get(RANK_PID_ENV)
+    return bool(owner) and owner != str(pid)

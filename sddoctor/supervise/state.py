@@ -147,6 +147,14 @@ class RankState:
         """Whether `pid` was one of this rank's processes before a restart."""
         return isinstance(pid, int) and any(a.get("pid") == pid for a in self.attempts)
 
+    def note_earlier_exit(self, pid: int, exit_info: dict[str, Any]) -> None:
+        """How an earlier process of the rank ended, seen after its successor wrote its `start`: a
+        rank killed hard writes no exit record, and the launcher restarts within a second, so the
+        process watch's sighting can come after the restart was noted."""
+        for attempt in self.attempts:
+            if attempt.get("pid") == pid and not attempt.get("exit"):
+                attempt["exit"] = dict(exit_info)
+
     def activity(self, now: float, started: float, startup_timeout: float) -> str:
         """One word for what the rank does: "exited"; "training" (steps finish); "running" (no step
         reported, collectives issued); "starting"; or "stuck at start" (no step and no collective

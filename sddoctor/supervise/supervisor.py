@@ -222,11 +222,16 @@ class Supervisor:
                 and (known is None or known.pid != rank.pid)
             ):
                 self.job.add_rank(rank.rank, rank.pid)  # the rank's own word on its pid wins
+        for old in self.job.earlier:  # replaced by a restart before this loop saw it end
+            if old.exit is not None and old.rank in self.watcher.ranks:
+                self.watcher.ranks[old.rank].note_earlier_exit(old.pid, old.exit)
         for rank_id, proc in self.job.ranks.items():
             rank = self.watcher._rank(rank_id)
             if rank.pid is not None and proc.pid != rank.pid:
                 if proc.exit is not None:
-                    continue  # an earlier process of a restarted rank: the rank's own word wins
+                    # an earlier process of a restarted rank: the rank's own word wins
+                    rank.note_earlier_exit(proc.pid, proc.exit)
+                    continue
                 if rank.process_ended:
                     rank.restart(proc.pid)  # the launcher started a new process for this rank
             rank.pid = proc.pid

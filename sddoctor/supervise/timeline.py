@@ -7,7 +7,8 @@ This is what report.html draws and `sddoctor trace` exports. Sources (docs/telem
   faults, exceptions, checkpoints, the exit;
 - report.json's verdicts: the hang (who never arrived where), the crash, the straggler.
 
-Collectives are matched across ranks by (process group, sequence number). The last rank to enter
+Collectives are matched across ranks by (process group, sequence number), within one attempt (the
+processes a torchrun restart starts number theirs from 1 again). The last rank to enter
 a collective is the one the others waited for: each rank's `wait` is the time between its own
 arrival and the last arrival. Point-to-point calls are not matched (only two ranks take part).
 Arrival times are exact on every backend; completion of calls observed by polling (NCCL, async
@@ -19,6 +20,7 @@ Pure functions over plain data, plus `load_timeline(run_dir)` at the edge. No to
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +49,9 @@ class Call:
     wait: float | None = None  # time from this rank's arrival to the last rank's arrival
     last: bool = False  # this rank arrived last: the others waited for it
     late_rank: int | None = None  # the rank that arrived last, when matched
+    #: which process of the rank made it (0, then 1 after a torchrun restart): a new process
+    #: numbers its collectives from 1 again, so only calls of the same attempt match
+    attempt: int = 0
 
     @property
     def p2p(self) -> bool:
@@ -160,14 +165,21 @@ def _lane(rank: int, data: dict[str, Any]) -> Lane:
     record = data.get("snapshot") or {}
     snapshot = RankSnapshot.of(record)
     lane = Lane(rank=rank, host=snapshot.host, dropped=int(data.get("dropped") or 0))
+    starts = sorted(
+        float(e["t"]) for e in events if e.get("kind") == "start" and isinstance(e.get("t"), (int, float))
+    )
     for c in data.get("calls") or []:
         lane.calls.append(_call(rank, c, float(c["t0"]), float(c["t0"]) + max(0.0, float(c["duration"]))))
-    done = {(c.pg, c.seq) for c in lane.calls}
+    for call in lane.calls:
+        call.attempt = max(0, bisect.bisect_right(starts, call.t0) - 1)
+    current = max(0, len(starts) - 1)  # the snapshot is the current process's
+    done = {(c.pg, c.seq) for c in lane.calls if c.attempt == current}
     for c in snapshot.inflight:
         if c.since is None:
             continue
         if (c.pg, c.seq) not in done:  # else it completed after the snapshot
             lane.calls.append(_call(rank, c.record, c.since, None))
+            lane.calls[-1].attempt = current
     lane.calls.sort(key=lambda c: c.t0)
     lane.steps = _steps(rank, events)
     lane.marks = [m for e in events if (m := _event_mark(rank, e)) is not None]
@@ -208,6 +220,11 @@ def _steps(rank: int, events: list[dict[str, Any]]) -> list[Step]:
         length = record.step_time
         if length is not None and length >= 0:
             t0 = t1 - length
+            if previous_end is not None and previous_end <= t1:
+                # one rank's steps follow each other: a start a few microseconds before the previous
+                # end is the rounding of `step_time` and of the clock (inferred DDP steps end at the
+                # last bucket and start at the next forward), not an overlap
+                t0 = max(t0, previous_end)
         elif previous_end is not None:
             t0 = previous_end
         else:
@@ -280,16 +297,16 @@ def match_collectives(lanes: dict[int, Lane]) -> int:
     ranks (a rank never reached it, or its record fell out of the buffer) gets waits only for the
     ranks still inside it at the end, measured to their end.
     """
-    by_key: dict[tuple[str, int], list[Call]] = {}
+    by_key: dict[tuple[int, str, int], list[Call]] = {}
     for lane in lanes.values():
         for call in lane.calls:
             if not call.p2p:
-                by_key.setdefault((call.pg, call.seq), []).append(call)
+                by_key.setdefault((call.attempt, call.pg, call.seq), []).append(call)
     group_size: dict[str, int] = {}
-    for (pg, _), calls in by_key.items():
+    for (_, pg, _), calls in by_key.items():
         group_size[pg] = max(group_size.get(pg, 0), len({c.rank for c in calls}))
     matched = 0
-    for (pg, _), calls in by_key.items():
+    for (_, pg, _), calls in by_key.items():
         ranks = {c.rank for c in calls}
         if len(ranks) < 2 or len(ranks) < group_size[pg]:
             for c in calls:
@@ -320,7 +337,10 @@ def _apply_verdicts(lanes: dict[int, Lane], verdicts: list[dict[str, Any]]) -> N
         elif kind == "exited_early" and culprit in lanes:
             lane = lanes[culprit]
             lane.role = lane.role or "missing"  # it left while the others still expected it
-            lane.note = lane.note or f"ended after #{details.get('issued')}; the others went on to #{details.get('waiting_in')}"
+            lane.note = (
+                lane.note
+                or f"ended after #{details.get('issued')}; the others went on to #{details.get('waiting_in')}"
+            )
         elif kind == "straggler" and culprit in lanes:
             lane = lanes[culprit]
             lane.role = lane.role or "straggler"

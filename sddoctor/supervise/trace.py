@@ -238,7 +238,9 @@ def check_trace(trace: dict[str, Any]) -> list[str]:
     for (pid, tid), spans in slices.items():
         stack: list[tuple[float, float, str]] = []
         for start, end, name in sorted(spans, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1][1] <= start:
+            # ts and dur are rounded to the nanosecond each: their sum may miss the next start by
+            # a float's last bit, as the overlap test below allows
+            while stack and stack[-1][1] <= start + 1e-3:
                 stack.pop()
             if stack and end > stack[-1][1] + 1e-3:
                 problems.append(f"pid {pid} tid {tid}: {name!r} overlaps the end of {stack[-1][2]!r}")
