@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 import sddoctor.instrument.api
-from sddoctor.supervise.diagnose import diagnose, last_traceback
+from sddoctor.supervise.diagnose import diagnose
+from sddoctor.supervise.diagnose_crash import last_traceback
 from sddoctor.supervise.state import RankState, RunState
 from sddoctor.supervise.watch import parse_launcher_failures
 

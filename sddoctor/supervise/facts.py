@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sddoctor.supervise.diagnose import rank_exit
+from sddoctor.supervise.diagnose_base import rank_exit
 from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.telemetry import RunDir, read_json
 from sddoctor.telemetry.layout import atomic_write_text

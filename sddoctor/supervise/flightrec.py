@@ -123,7 +123,7 @@ def collect(
 
     `asked_at` (epoch seconds of the trigger) is kept with them: a rank that dies of a signal
     shortly after its dump was asked for may have been killed by the dump itself (see
-    `diagnose.DUMP_CRASH_WINDOW`)."""
+    `diagnose_crash.DUMP_CRASH_WINDOW`)."""
     prefix = env.get("TORCH_FR_DEBUG_INFO_TEMP_FILE") or env.get(DUMP_ENV)
     if not prefix:
         return None

@@ -15,7 +15,9 @@ from typing import Any, TextIO
 from sddoctor import exitcodes
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import describe_exit, diagnose, in_dataloader, merge_verdicts
+from sddoctor.supervise.diagnose import diagnose, merge_verdicts
+from sddoctor.supervise.diagnose_base import describe_exit
+from sddoctor.supervise.diagnose_hang import in_dataloader
 from sddoctor.supervise.facts import settle_exits, write_facts
 from sddoctor.supervise.gpulog import GpuLog
 from sddoctor.supervise.http import EndpointError, StateServer, get_state

@@ -1,0 +1,171 @@
+"""What the diagnosis reads off a rank, whatever the trouble: how it ended (exit, signal, exception),
+where (the innermost frame of the user's code), and the messages that mark a rank as a victim of
+another's failure. Pure functions of `RankState` / `RunState`, as the whole diagnosis."""
+
+from __future__ import annotations
+
+import re
+import signal
+from typing import Any
+
+from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
+from sddoctor.supervise.nested_traceback import nested_traceback
+from sddoctor.supervise.state import RankState, RunState
+
+#: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
+PEER_FAILURE = re.compile(
+    r"connection (reset|closed|refused)|broken pipe|peer|socket timeout|timed out|"
+    r"communicator was aborted|nccl.*abort|remote process exited|heartbeat|watchdog|"
+    r"check rank \d+ logs for faulty rank",
+    re.IGNORECASE,
+)
+
+
+#: Signals a launcher (or sddoctor) sends to stop the survivors after a failure.
+STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def describe_exit(exit_info: dict[str, Any] | None) -> str:
+    if not exit_info:
+        return "ended"
+    sig = exit_info.get("signal")
+    if sig:
+        return f"was killed by signal {sig} ({signal_name(int(sig))})"
+    code = exit_info.get("code")
+    if code is None and exit_info.get("unclean"):
+        return "vanished without an exit record (killed hard: SIGKILL or the OOM killer?)"
+    return f"exited with code {code}" if code is not None else "ended"
+
+
+def roots_of(rank: RankState | None = None) -> CodeRoots:
+    """Where libraries live for `rank` (as it reported them) and for this process."""
+    mine = current_roots()
+    return mine.merged(CodeRoots.from_dict(rank.code_roots)) if rank is not None else mine
+
+
+def exception_location(exc: dict[str, Any] | None, rank: RankState | None = None) -> str | None:
+    """file:line of the innermost frame of the user's own code of an `exception` event.
+
+    The rank picks its `caller` with its own install locations; an event without one (or whose
+    caller is library code) is read from its traceback here."""
+    if not exc:
+        return None
+    roots = roots_of(rank)
+    nested = nested_traceback(str(exc.get("message", "")))
+    origin = first_user_frame(nested.frames, roots) if nested else None
+    if origin:  # the line that failed in a DataLoader worker, not the rank's `for batch in loader`
+        return origin.split(" in ")[0].strip()
+    caller = exc.get("caller")
+    if isinstance(caller, str) and caller and roots.is_user(frame_path(caller)):
+        return caller
+    frames = [f for f in exc.get("traceback") or [] if isinstance(f, str)]
+    chosen = first_user_frame(frames, roots) or (frames[-1] if frames else None)
+    if chosen:
+        return chosen.split(" in ")[0].strip()
+    return str(caller) if caller else None
+
+
+def fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
+    for event in rank.faults[::-1]:
+        spec = str(event.get("fault", ""))
+        if spec.split(":", 1)[0] in kinds:
+            return event
+    return None
+
+
+def where_is(rank: RankState) -> tuple[str | None, str]:
+    """Where a rank is now (file:line or None) and a phrase saying how we know."""
+    if rank.stack and rank.stack.get("top_user_frame"):
+        frame = rank.stack["top_user_frame"]
+        func = rank.stack.get("top_user_function")
+        return frame, f"its stack is at {frame}" + (f" in {func}()" if func else "")
+    phase = rank.snapshot.phase
+    done = rank.snapshot.last_done
+    if done is not None and done.caller:
+        text = f"its last completed collective was {done.op} #{done.seq} at {done.caller}"
+        if phase:
+            text += f", phase {phase!r}"
+        return done.caller, text
+    if phase:
+        return None, f"it is in phase {phase!r}"
+    return None, "no stack or collective record says where"
+
+
+def death_time(rank: RankState) -> float:
+    """When the rank stopped: its uncaught exception or its exit, whichever came first (a rank can
+    linger after its exception, in the process group's teardown), else its last snapshot."""
+    known = [
+        float(t)
+        for t in ((rank.exit or {}).get("t"), (rank.exception or {}).get("t"))
+        if isinstance(t, (int, float))
+    ]
+    if known:
+        return min(known)
+    last = rank.snapshot.t
+    return last if last is not None else float("inf")
+
+
+def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:
+    """The best-known exit of a rank: its own record, else what the launcher reported."""
+    exit_info = dict(rank.exit) if rank.exit else None
+    for failure in state.launcher_failures:
+        if failure.get("rank") == rank.rank and not rank.earlier_process(failure.get("pid")):
+            code = failure.get("exitcode")
+            merged = exit_info or {}
+            # The launcher saw the real wait status; a rank's own exit event is written before it dies.
+            if isinstance(code, int) and merged.get("source") != "wait status":
+                merged.pop("signal", None)
+                merged.pop("code", None)
+                merged.pop("unclean", None)
+                if code < 0:
+                    merged["signal"] = -code
+                else:
+                    merged["code"] = code
+                merged["source"] = "launcher"
+            exit_info = merged
+    return unclean_marked(exit_info)
+
+
+def unclean_marked(exit_info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`exit_info`, marked `unclean` when the process was seen gone, by no wait status (not
+    sddoctor's child: an mp.spawn worker, a torchrun worker) and without an exit event of its own:
+    it was killed hard (SIGKILL, the OOM killer)."""
+    if (
+        exit_info
+        and exit_info.get("source") == "process watch"
+        and exit_info.get("code") is None
+        and not exit_info.get("signal")
+        and exit_info.get("status") is None
+    ):
+        return {**exit_info, "unclean": True}
+    return exit_info
+
+
+def raised_text(exc: dict[str, Any]) -> str:
+    """'raised TYPE: the first line of its message' for an `exception` event."""
+    first_line = (str(exc.get("message", "")).strip().splitlines() or [""])[0]
+    return f"raised {exc.get('type', 'an exception')}: {first_line[:160]}"
+
+
+def ended_cleanly(rank: RankState, exit_info: dict[str, Any] | None) -> bool:
+    """The rank's process ended by itself with status 0: no exception, signal or hard kill."""
+    return rank.exception is None and not abnormal_exit(exit_info) and (exit_info or {}).get("code") == 0
+
+
+def abnormal_exit(exit_info: dict[str, Any] | None) -> bool:
+    if not exit_info:
+        return False
+    if exit_info.get("unclean"):
+        return True  # gone without an exit record: killed hard (SIGKILL, the OOM killer)
+    return bool(exit_info.get("signal")) or exit_info.get("code") not in (0, None)
+
+
+def join_ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

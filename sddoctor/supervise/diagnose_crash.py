@@ -1,0 +1,460 @@
+"""Crash verdicts: which rank died first (signal, exit code, traceback) and which ranks only died as
+a consequence (torchrun's SIGTERM, "connection reset by peer"); a collective mismatch that made
+the backend abort. Pure functions of `RunState`."""
+
+from __future__ import annotations
+
+import re
+import signal
+from typing import Any
+
+from sddoctor.codepaths import first_user_frame
+from sddoctor.supervise.diagnose_base import (
+    PEER_FAILURE,
+    STOP_SIGNALS,
+    abnormal_exit,
+    death_time,
+    describe_exit,
+    ended_cleanly,
+    exception_location,
+    fault_of,
+    join_ranks,
+    raised_text,
+    rank_exit,
+    roots_of,
+    signal_name,
+    where_is,
+)
+from sddoctor.supervise.diagnose_hang import absent_rank_position, mismatch_from_sightings
+from sddoctor.supervise.nested_traceback import nested_traceback
+from sddoctor.supervise.state import RankState, RunState, Verdict
+
+_MISMATCH_TEXT = re.compile(
+    r"doesn't match expected size|collective mismatch|mismatch(ed)? (in )?(size|shape)|"
+    r"Detected mismatch between collectives",
+    re.IGNORECASE,
+)
+
+
+#: A rank's own process-group timeout ended its wait (gloo's recv timeout, NCCL's watchdog), or
+#: monitored_barrier reported the ranks that did not arrive.
+_WAIT_TIMEOUT_TEXT = re.compile(
+    r"Timed out waiting \d+ ?ms|failed to pass monitoredBarrier|collective operation timeout", re.IGNORECASE
+)
+
+
+_MONITORED_BARRIER_RANKS = re.compile(r"Ranks? ([\d,\s]+?) failed to pass monitoredBarrier", re.IGNORECASE)
+
+
+def diagnose_crash(state: RunState) -> list[Verdict]:
+    """The rank that died first and why; the others that followed are named but not blamed."""
+    candidates: list[tuple[RankState, dict[str, Any] | None]] = []
+    for rank in state.ranks.values():
+        exit_info = rank_exit(rank, state)
+        if abnormal_exit(exit_info) or rank.exception is not None:
+            if state.stopped_at is not None and death_time(rank) >= state.stopped_at - 0.5:
+                continue  # sddoctor stopped it (or it fell over while being stopped)
+            candidates.append((rank, exit_info))
+    if not candidates:
+        job = state.job_exit
+        if job and job.get("code") not in (0, None) and state.stopped_by_supervisor is None:
+            return [_job_only_crash(state, job)]
+        return []
+
+    def blame_key(item: tuple[RankState, dict[str, Any] | None]) -> tuple[int, int, float]:
+        rank, exit_info = item
+        sig = (exit_info or {}).get("signal")
+        message = str((rank.exception or {}).get("message", ""))
+        victim = int(bool(sig and int(sig) in STOP_SIGNALS)) + int(bool(PEER_FAILURE.search(message)))
+        root = (
+            0
+            if any(f.get("rank") == rank.rank and f.get("root_cause") for f in state.launcher_failures)
+            else 1
+        )
+        return (victim, root if len(candidates) > 1 else 0, death_time(rank))
+
+    if (state.stopped_by_supervisor is not None or state.hang_declared_by is not None) and all(
+        blame_key(c)[0] > 0 for c in candidates
+    ):
+        # Every death says a peer went away, and a supervisor stopped the job (this node's, or a
+        # peer node's after a hang it diagnosed): consequences of that stop, not a crash.
+        return []
+    # Death time first: the earliest death is the cause unless it is clearly a victim.
+    by_time = sorted(candidates, key=lambda item: death_time(item[0]))
+    first_time = death_time(by_time[0][0])
+    near = [c for c in candidates if death_time(c[0]) - first_time <= 1.0]
+    primary, exit_info = min(near, key=blame_key) if near else by_time[0]
+    if blame_key((primary, exit_info))[0] > 0:
+        # The earliest was a victim (e.g. it saw the connection drop); prefer a non-victim if any.
+        non_victims = [c for c in candidates if blame_key(c)[0] == 0]
+        if non_victims:
+            primary, exit_info = min(non_victims, key=lambda c: death_time(c[0]))
+        else:
+            early = _exited_early(state, primary)
+            if early is not None:
+                return [early]
+    # The rank that died first may have given up waiting for another; monitored_barrier names the
+    # ranks that did not arrive in the reporting rank's error even when another rank died first.
+    reporters = [
+        r for r, _ in candidates if _MONITORED_BARRIER_RANKS.search(str((r.exception or {}).get("message")))
+    ]
+    for waiter in [primary, *sorted(reporters, key=death_time)]:
+        gave_up = _gave_up_waiting(state, waiter)
+        if gave_up is not None:
+            return [gave_up]
+    others = sorted(r.rank for r, _ in candidates if r.rank != primary.rank)
+    return [_crash_verdict(state, primary, exit_info, others)]
+
+
+#: How long after the peer that lost it a rank's own exit record may come (it closes its connections
+#: in destroy_process_group or at exit, and writes the record after).
+EXIT_RECORD_LAG = 10.0
+
+
+def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
+    """A rank that ended normally (exit code 0) before `victim` lost its peer, having issued fewer
+    collectives: the victim's "connection closed by peer" is that rank leaving while it still
+    expected it (uneven data per rank, a rank returning early). Under NCCL the same job hangs."""
+    victim_t = death_time(victim)
+    wanted = _last_seq_wanted(victim)
+    if wanted is None:
+        return None
+    pg, seq = wanted
+    gone = []
+    for rank in state.ranks.values():
+        exit_info = rank_exit(rank, state)
+        issued = rank.snapshot.issued_on(pg) or 0
+        if (
+            rank.rank != victim.rank
+            and ended_cleanly(rank, exit_info)
+            # its exit event is written after it closed its connections, so it can trail the
+            # victim's exception a little
+            and death_time(rank) <= victim_t + EXIT_RECORD_LAG
+            and issued < seq
+        ):
+            gone.append((rank, issued, exit_info))
+    if not gone:
+        return None
+    rank, issued, exit_info = min(gone, key=lambda item: death_time(item[0]))
+    done = rank.snapshot.last_done
+    location = done.caller if done is not None and done.caller else None
+    waiting = sorted(r.rank for r in state.ranks.values() if r.rank not in {g[0].rank for g in gone})
+    summary = (
+        f"rank {rank.rank} ended (exit code 0) after {issued} collective{'s' if issued != 1 else ''} "
+        f"on group {pg} while rank{'s' if len(waiting) > 1 else ''} {join_ranks(waiting)} went on to #{seq}"
+        f"; {'they' if len(waiting) > 1 else 'it'} failed as a consequence (the peer closed its "
+        "connection). The ranks ran different "
+        "numbers of collectives: uneven data per rank (DistributedSampler(drop_last=True), or DDP's "
+        "Join context for uneven inputs) or a rank that leaves its loop early"
+    )
+    message = str((victim.exception or {}).get("message", "")).strip()
+    evidence = [
+        f"rank {rank.rank} {describe_exit(exit_info)} after {issued} collectives on group {pg}"
+        + (f"; its last was {done.op} #{done.seq} at {done.caller}" if done is not None else ""),
+        f"rank {victim.rank} was in #{seq} and then raised: {message[:200]}",
+    ]
+    return Verdict(
+        kind="exited_early",
+        severity="error",
+        summary=summary,
+        culprit_rank=rank.rank,
+        location=location,
+        details={
+            "rank": rank.rank,
+            "issued": issued,
+            "pg": pg,
+            "waiting_in": seq,
+            "consequences": waiting,
+            "victim_exception": {"type": (victim.exception or {}).get("type"), "message": message},
+        },
+        evidence=evidence,
+    )
+
+
+def _gave_up_waiting(state: RunState, waiter: RankState) -> Verdict | None:
+    """`waiter` died of its own wait timeout (a process-group timeout shorter than --hang-timeout,
+    or monitored_barrier's report) while other ranks, alive, had not reached the collective it
+    waited in: a hang that the job's own timeout ended. The culprit is a rank that did not arrive."""
+    message = str((waiter.exception or {}).get("message", ""))
+    if not _WAIT_TIMEOUT_TEXT.search(message):
+        return None
+    wanted = _last_seq_wanted(waiter)
+    pg, seq = wanted if wanted is not None else ("0", None)
+    named = _MONITORED_BARRIER_RANKS.search(message)
+    if named:
+        behind = sorted({int(n) for n in re.findall(r"\d+", named.group(1))} - {waiter.rank})
+    elif seq is not None:
+        waited_until = death_time(waiter)
+        behind = [
+            rank.rank
+            for rank in state.ranks.values()
+            if rank.rank != waiter.rank
+            and (rank.snapshot.issued_on(pg) or 0) < seq
+            and not ended_cleanly(rank, rank_exit(rank, state))  # that is exited_early
+            and death_time(rank) >= waited_until - 1.0  # alive while the waiter waited
+        ]
+    else:
+        behind = []
+    if not behind:
+        return None
+    culprit = behind[0]
+    rank = state.ranks.get(culprit)
+    if rank is not None and not (rank.stack or {}).get("top_user_frame"):
+        location, how = where_is(rank)  # where it last was; its end came from the job's teardown
+    else:
+        location, how = absent_rank_position(state, culprit, rank)
+    snap = waiter.snapshot
+    known = [c for c in (snap.failed, *snap.inflight, snap.last_done) if c is not None]
+    waited = next((c for c in known if c.seq == seq and str(c.pg) == str(pg)), None)
+    call = f"#{seq} on group {pg}" if seq is not None else "the collective"
+    if waited is not None:
+        call = f"{waited.op} #{seq} on group {pg}" + (
+            f" (called at {waited.caller})" if waited.caller else ""
+        )
+    first_line = (message.strip().splitlines() or [""])[0][:200]
+    timeout = "monitored_barrier's timeout" if named else "the process group's timeout"
+    summary = (
+        f"hang: rank {join_ranks(behind)} never reached {call}; {how}. Rank {waiter.rank} gave up waiting "
+        f"there when {timeout} expired ({first_line}) and the job ended"
+    )
+    if not named:
+        summary += (
+            "; a process-group timeout above --hang-timeout lets sddoctor take every rank's stack first"
+        )
+    evidence = [
+        f"rank {waiter.rank} raised {(waiter.exception or {}).get('type')}: {message[:300]}",
+        *(
+            f"rank {r}: {state.ranks[r].snapshot.issued_on(pg) or 0} collectives issued on group {pg}"
+            for r in behind
+            if r in state.ranks
+        ),
+    ]
+    details = {
+        "pg": pg,
+        "seq": seq,
+        "missing_ranks": behind,
+        "waiters": [waiter.rank],
+        "ended": "timeout",
+        "waiter_exception": {"type": (waiter.exception or {}).get("type"), "message": message},
+    }
+    return Verdict("hang.missing_rank", "error", summary, culprit, location, details, evidence)
+
+
+def _last_seq_wanted(rank: RankState) -> tuple[str, int] | None:
+    """(group, seq) of the collective `rank` was in when it failed: the failed call, else the
+    newest call in flight, else the last it issued on the default group."""
+    snap = rank.snapshot
+    call = snap.failed or (max(snap.inflight, key=lambda c: c.since or 0.0) if snap.inflight else None)
+    if call is not None and call.pg is not None and call.seq is not None:
+        return str(call.pg), int(call.seq)
+    for pg, seq in snap.issued.items():
+        if not str(pg).endswith(":p2p"):
+            return str(pg), int(seq)
+    return None
+
+
+#: A rank that dies of one of these signals within this many seconds after sddoctor asked it for its
+#: NCCL flight-recorder dump (on a hang) is reported as a likely consequence of the dump: with torch
+#: 2.11 on an H200 a rank was seen to die of SIGSEGV inside ProcessGroupNCCL a few seconds after
+#: writing its dump, in a process whose collectives sddoctor traces.
+DUMP_CRASH_WINDOW = 30.0
+
+
+_DUMP_CRASH_SIGNALS = frozenset({int(signal.SIGSEGV), int(signal.SIGABRT), int(signal.SIGBUS)})
+
+
+def _after_dump(state: RunState, rank: RankState, exit_info: dict[str, Any] | None) -> float | None:
+    """Seconds between the flight-recorder dump request and this rank's death by a crash signal."""
+    asked_at = (state.flight_recorder or {}).get("asked_at")
+    sig = (exit_info or {}).get("signal")
+    if not isinstance(asked_at, (int, float)) or sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
+        return None
+    after = death_time(rank) - float(asked_at)  # inf when the death time is unknown
+    return after if 0 <= after <= DUMP_CRASH_WINDOW else None
+
+
+def _crash_verdict(
+    state: RunState, rank: RankState, exit_info: dict[str, Any] | None, others: list[int]
+) -> Verdict:
+    exc = rank.exception
+    fault = fault_of(rank, ("kill", "raise"))
+    exit_call = (exit_info or {}).get("caller") if not exc else None  # sys.exit(failure) in user code
+    fatal_frame = _fatal_frame(rank)  # where a fatal signal (SIGSEGV, SIGABRT) struck
+    location = (
+        exception_location(exc, rank)
+        or (fault or {}).get("caller")
+        or exit_call
+        or fatal_frame
+        or where_is(rank)[0]
+    )
+    step = rank.snapshot.step
+    how = describe_exit(exit_info) if exit_info else "raised an exception"
+    nested = nested_traceback(str((exc or {}).get("message", "")))
+    if exc and not (exit_info or {}).get("signal"):
+        how = raised_text(exc)
+        if nested and nested.exception:
+            how = f"raised {nested.exception[:160]}" + (f" in its {nested.source}" if nested.source else "")
+    summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
+    if location:
+        summary += f" at {location}"
+    if others:
+        summary += f"; rank{'s' if len(others) > 1 else ''} {join_ranks(others)} stopped as a consequence"
+    evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
+    traceback = exc.get("traceback") if exc else None
+    if not traceback and len(state.ranks) <= 1:
+        traceback = last_traceback(state.stderr_tail)
+    details: dict[str, Any] = {
+        "rank": rank.rank,
+        "exit": exit_info,
+        "step": step,
+        "traceback": traceback,
+        "consequences": others,
+        "died_at": death_time(rank) if death_time(rank) != float("inf") else None,
+    }
+    if exc:
+        details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
+    if rank.fatal:
+        details["fatal"] = rank.fatal
+    if nested:
+        details["origin"] = {
+            "source": nested.source,
+            "exception": nested.exception,
+            "traceback": list(nested.frames),
+        }
+    severity = "error"
+    after_dump = _after_dump(state, rank, exit_info)
+    if after_dump is not None:
+        # The hang verdict already names the cause; this death came from looking at it.
+        severity = "warning"
+        details["after_flight_recorder_dump_s"] = round(after_dump, 1)
+        summary += (
+            f" ({after_dump:.0f} s after sddoctor asked the ranks for their NCCL flight-recorder dumps "
+            "on the hang: likely a crash of the dump itself, not a cause of the hang)"
+        )
+        evidence.append(
+            "ProcessGroupNCCL has been seen to crash a rank a few seconds after a flight-recorder dump "
+            "(torch 2.11); run with --on-hang kill to stop the job right after the diagnosis"
+        )
+    return Verdict(
+        kind="crash",
+        severity=severity,
+        summary=summary,
+        culprit_rank=rank.rank,
+        location=location,
+        details=details,
+        evidence=evidence,
+    )
+
+
+def _crash_evidence(
+    state: RunState,
+    rank: RankState,
+    exit_info: dict[str, Any] | None,
+    fault: dict[str, Any] | None,
+    fatal_frame: str | None,
+) -> list[str]:
+    """What the crash verdict rests on: the exit, the exception, an injected fault, the fatal-signal
+    dump and the launcher's own account."""
+    evidence = []
+    if exit_info:
+        evidence.append(
+            f"rank {rank.rank} {describe_exit(exit_info)} (source: {exit_info.get('source', '?')})"
+        )
+    exc = rank.exception
+    if exc:
+        evidence.append(f"exception event of rank {rank.rank}: {exc.get('type')}: {exc.get('message')}")
+    if fault:
+        evidence.append(
+            f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"
+        )
+    if rank.fatal:
+        evidence.append(
+            f"rank {rank.rank}'s fatal-signal dump ({rank.fatal.get('error')}): its thread was at "
+            f"{fatal_frame or (rank.fatal.get('frames') or ['no Python frame'])[0]}"
+        )
+    for failure in state.launcher_failures:
+        if failure.get("root_cause"):
+            evidence.append(
+                f"launcher's first observed failure: rank {failure.get('rank')} exitcode {failure.get('exitcode')}"
+            )
+    return evidence
+
+
+def _fatal_frame(rank: RankState) -> str | None:
+    """file:line of the user's innermost frame in the rank's fatal-signal dump (else its innermost)."""
+    frames = [f for f in (rank.fatal or {}).get("frames") or [] if isinstance(f, str)]
+    chosen = first_user_frame(frames, roots_of(rank), innermost_first=True) or (frames[0] if frames else None)
+    return chosen.split(" in ")[0].strip() if chosen else None
+
+
+def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:
+    code = job.get("code")
+    traceback = last_traceback(state.stderr_tail)
+    location = None
+    frames = [f for f in traceback or [] if " in " in f]
+    if frames:
+        location = (first_user_frame(frames, roots_of()) or frames[-1]).split(" in ")[0]
+    rank = 0 if len(state.ranks) == 1 and state.world_size in (None, 1) else None
+    how = f"exited with code {code}"
+    if isinstance(code, int) and code < 0:
+        how = f"was killed by signal {-code} ({signal_name(-code)})"
+    return Verdict(
+        kind="crash",
+        severity="error",
+        summary=f"the job {how}" + (f" at {location}" if location else ""),
+        culprit_rank=rank,
+        location=location,
+        details={"exit": job, "traceback": traceback},
+        evidence=["no rank telemetry says more; the launcher's stderr is in the report"],
+    )
+
+
+_TB_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
+
+
+def last_traceback(lines: list[str]) -> list[str] | None:
+    """The last Python traceback in some stderr lines, as ["file:line in func", ..., "Type: message"]."""
+    start = None
+    for i, line in enumerate(lines):
+        if (
+            line.startswith("Traceback (most recent call last)")
+            or "Traceback (most recent call last)" in line
+        ):
+            start = i
+    if start is None:
+        return None
+    frames: list[str] = []
+    for line in lines[start + 1 :]:
+        m = _TB_LINE.match(line)
+        if m:
+            frames.append(f"{m.group(1)}:{m.group(2)} in {m.group(3)}")
+        elif line and not line.startswith(" ") and frames:
+            frames.append(line.strip())
+            break
+    return frames or None
+
+
+def diagnose_crash_mismatch(state: RunState) -> Verdict | None:
+    """A collective mismatch that made the backend abort (gloo does, NCCL may hang instead)."""
+    text = "\n".join(state.stderr_tail)
+    messages = [str((r.exception or {}).get("message", "")) for r in state.ranks.values()]
+    if not (_MISMATCH_TEXT.search(text) or any(_MISMATCH_TEXT.search(m) for m in messages)):
+        return None
+    verdict = mismatch_from_sightings(state)
+    if verdict is None:
+        verdict = Verdict(
+            kind="hang.mismatch",
+            severity="error",
+            summary="ranks disagree on a collective (the backend reported a size mismatch and aborted)",
+        )
+    verdict.details["ended"] = "crash"
+    verdict.evidence.append("the backend aborted: " + _first_match(_MISMATCH_TEXT, [text, *messages]))
+    return verdict
+
+
+def _first_match(pattern: re.Pattern[str], texts: list[str]) -> str:
+    for text in texts:
+        for line in text.splitlines():
+            if pattern.search(line):
+                return line.strip()[:300]
+    return ""

@@ -1,0 +1,724 @@
+"""Hang verdicts: no progress for `hang_timeout`, classified by where each rank is (missing from a
+collective, a mismatch, a point-to-point deadlock, stuck outside collectives, in a DataLoader,
+never started). Pure functions of `RunState`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from sddoctor.codepaths import frame_path
+from sddoctor.supervise.callhistory import (
+    Departure,
+    PartedSites,
+    PeerWait,
+    blocked_call,
+    group_members,
+    is_p2p,
+    left_routine,
+    parted_sites,
+    peer_waits,
+    site_text,
+)
+from sddoctor.supervise.diagnose_base import (
+    describe_exit,
+    ended_cleanly,
+    exception_location,
+    fault_of,
+    join_ranks,
+    rank_exit,
+    roots_of,
+    where_is,
+)
+from sddoctor.supervise.state import RankState, RunState, Verdict
+from sddoctor.telemetry.snapshot import Collective
+
+_WORKER_LOOP = re.compile(r"torch/utils/data/_utils/worker\.py")
+
+
+_DATALOADER_FRAME = re.compile(r"torch/utils/data/|dataloader", re.IGNORECASE)
+
+
+def _position(rank: RankState) -> str:
+    if rank.exited:
+        return f"rank {rank.rank}: {describe_exit(rank.exit)}"
+    c = blocked_call(rank)
+    if c is not None:
+        peer = f", peer rank {c.peer}" if c.peer is not None else ""
+        return f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}{peer}, shapes {c.shapes}) called at {c.caller}"
+    return f"rank {rank.rank}: not in a collective; {where_is(rank)[1]}"
+
+
+def _expected_ranks(state: RunState) -> list[int]:
+    ranks = set(state.ranks)
+    world = state.world_size or state.spawned_nprocs
+    if world:
+        ranks |= set(range(world))
+    return sorted(ranks)
+
+
+def _unjoined_process(state: RunState, rank: int) -> dict[str, Any] | None:
+    """The process that is probably `rank` but has not joined the process group: the mp.spawn
+    worker of that index, else the only process of the job that has not joined."""
+    for process in state.unjoined:
+        if process.get("spawn_index") == rank:
+            return process
+    unnamed = [p for p in state.unjoined if p.get("spawn_index") is None]
+    missing = [r for r in _expected_ranks(state) if r not in state.ranks]
+    return unnamed[0] if len(unnamed) == 1 and len(missing) == 1 else None
+
+
+def _process_text(process: dict[str, Any]) -> str:
+    index = process.get("spawn_index")
+    what = f"mp.spawn worker {index}" if index is not None else "a process of the job"
+    stack = process.get("stack") or {}
+    where = f"; its stack is at {stack['top_user_frame']}" if stack.get("top_user_frame") else ""
+    return f"{what} (pid {process.get('pid')}) has not joined the process group{where}"
+
+
+def _never_joined(state: RunState, rank: int) -> tuple[str | None, str]:
+    """Where a rank that never wrote telemetry is, if a process of the job looks like it."""
+    process = _unjoined_process(state, rank)
+    if process is None:
+        return None, "it never joined the process group (no telemetry from it)"
+    return (process.get("stack") or {}).get("top_user_frame"), _process_text(process)
+
+
+def in_dataloader(rank: RankState) -> bool:
+    """Whether the rank waits in its DataLoader (phase `data`, or torch's DataLoader in its stack)."""
+    if rank.snapshot.phase == "data":
+        return True
+    frames = (rank.stack or {}).get("frames") or []
+    return any(_DATALOADER_FRAME.search(str(f)) for f in frames)
+
+
+def diagnose_hang(state: RunState) -> list[Verdict]:
+    """Classify a hang by where every rank is: who is missing, who disagrees, or all waiting.
+
+    Ranks are compared per process group, among the group's members: a rank inside another
+    group's collective is not out of step on this one. Point-to-point calls are judged by who
+    waits for whom (their numbers count per pair of ranks, not across the group)."""
+    stalled = round(state.stalled_for, 1)
+    expected = _expected_ranks(state)
+    calls = _blocked_calls(state)
+    evidence = [
+        _position(state.ranks[r]) if r in state.ranks else f"rank {r}: never reported" for r in expected
+    ]
+    if state.stacks_problem:
+        evidence.append(f"stacks: {state.stacks_problem}")
+    base: dict[str, Any] = {"stalled_seconds": stalled, "hang_timeout": state.hang_timeout}
+    if state.hang_declared_by is not None:
+        base["declared_by_peer"] = state.hang_declared_by
+
+    if not calls:
+        return [_hang_outside_collectives(state, expected, stalled, base, evidence)]
+    waits = _group_waits(state, calls, expected)
+    main = _main_wait(state, waits, calls)
+
+    # A rank whose heartbeat stopped is frozen (SIGSTOP, a debugger, native code holding the GIL,
+    # D state): its snapshot is stale, so its seq cannot be compared; it is the culprit either way.
+    live = [r for r in expected if r in state.ranks and not state.ranks[r].exited]
+    frozen = _frozen_ranks(state, live)
+    if frozen and len(frozen) < len(live):
+        details = {**base, **main.details()}
+        return [_frozen_hang(state, frozen, main.waiters, calls, main.where(), details, evidence)]
+
+    # A p2p deadlock first; a rank waiting for a peer stuck in a collective its ranks disagree on
+    # is a consequence of that mismatch (gloo may complete a mismatched call on one side).
+    p2p = _p2p_hang(state, calls, stalled, base, evidence)
+    if p2p is not None and p2p.kind == "hang.p2p_deadlock":
+        return [p2p]
+    if main.disagrees(calls):
+        details = {**base, **main.details()}
+        return [
+            _mismatch_verdict(
+                state, main.pg, main.seq, main.waiters, main.out_of_step, calls, details, evidence
+            )
+        ]
+    if p2p is not None:
+        return [p2p]
+    crossed = [w for w in waits if w.behind]
+    if main.behind and (len(crossed) < 2 or _explains(state, main, calls)):
+        return [_missing_rank_hang(state, main, calls, stalled, {**base, **main.details()}, evidence)]
+    if crossed:
+        return [_crossed_groups_hang(state, crossed, calls, stalled, base, evidence)]
+
+    # Everyone is inside the same call with the same signature: the communication is stuck.
+    details = {**base, **main.details()}
+    if state.flight_recorder:
+        details["flight_recorder"] = state.flight_recorder
+    summary = (
+        f"hang: all {len(main.waiters)} ranks wait inside {main.where()} for {stalled:.0f} s with matching "
+        "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
+    )
+    return [Verdict("hang.comm", "error", summary, None, main.call.caller, details, evidence)]
+
+
+def _blocked_calls(state: RunState) -> dict[int, Collective]:
+    """The call each live rank is blocked in (see `callhistory.blocked_call`)."""
+    calls: dict[int, Collective] = {}
+    for one in state.ranks.values():
+        call = None if one.exited else blocked_call(one)
+        if call is not None:
+            calls[one.rank] = call
+    return calls
+
+
+@dataclass
+class _GroupWait:
+    """Ranks waiting inside one collective (pg, seq), and the members of its group that are not:
+    `behind` never issued it; `out_of_step` are in another call of the same group, or issued
+    past it (they paired it with a different call of theirs)."""
+
+    pg: str
+    seq: int
+    call: Collective
+    waiters: list[int]
+    members: list[int]
+    behind: list[int] = field(default_factory=list)
+    out_of_step: list[int] = field(default_factory=list)
+
+    def where(self) -> str:
+        return f"{self.call.op} #{self.seq} on pg {self.pg} (called at {self.call.caller})"
+
+    def details(self) -> dict[str, Any]:
+        details: dict[str, Any] = {"pg": self.pg, "seq": self.seq, "op": self.call.op}
+        details["waiting_ranks"] = sorted(self.waiters)
+        return details
+
+    def disagrees(self, calls: dict[int, Collective]) -> bool:
+        if is_p2p(self.call):
+            return False  # a send and its recv differ by nature; p2p numbers count per pair
+        signatures = {f"{calls[r].op} {calls[r].shapes}" for r in self.waiters}
+        return len(signatures) > 1 or bool(self.out_of_step)
+
+
+def _group_waits(state: RunState, calls: dict[int, Collective], expected: list[int]) -> list[_GroupWait]:
+    """Every (pg, seq) some rank is blocked in, most waiters first; p2p calls only when no rank is
+    in a collective (their numbers are per pair of ranks, so only the pair is compared)."""
+    collective = {r: c for r, c in calls.items() if not is_p2p(c)} or calls
+    by_call: dict[tuple[str, int], list[int]] = {}
+    for r, c in collective.items():
+        by_call.setdefault((c.pg, c.seq or 0), []).append(r)
+    waits = []
+    for (pg, seq), waiters in by_call.items():
+        members = group_members(state, pg, expected)
+        wait = _GroupWait(pg, seq, calls[waiters[0]], sorted(waiters), members)
+        for r in members:
+            if r in waiters or is_p2p(wait.call):
+                continue
+            mine = calls.get(r)
+            rank = state.ranks.get(r)
+            passed = rank is not None and not rank.exited and (rank.snapshot.issued_on(pg) or 0) >= seq
+            if (mine is not None and mine.pg == pg) or passed:
+                wait.out_of_step.append(r)
+            else:
+                wait.behind.append(r)
+        waits.append(wait)
+    return sorted(waits, key=lambda w: (len(w.waiters), w.seq), reverse=True)
+
+
+def _main_wait(state: RunState, waits: list[_GroupWait], calls: dict[int, Collective]) -> _GroupWait:
+    """The collective to explain: one whose ranks disagree, else one a rank is missing from that is
+    not itself blocked in a collective, else one a rank skipped (it left its routine to go where it
+    is), else the one most ranks wait in."""
+    for wait in waits:
+        if wait.disagrees(calls):
+            return wait
+    for wait in waits:
+        if any(r not in calls or is_p2p(calls[r]) for r in wait.behind):
+            return wait
+    for wait in waits:
+        if any(_departure(state, r, calls) is not None for r in wait.behind):
+            return wait
+    return waits[0]
+
+
+def _departure(state: RunState, r: int, calls: dict[int, Collective]) -> Departure | None:
+    rank = state.ranks.get(r)
+    return left_routine(rank, calls[r]) if rank is not None and r in calls else None
+
+
+def _explains(state: RunState, wait: _GroupWait, calls: dict[int, Collective]) -> bool:
+    """Whether a rank missing from `wait` is the cause: it is not blocked in another collective
+    (it computes, loads data, waits in a p2p call or exited), or it left its routine to get there."""
+    return any(
+        r not in calls or is_p2p(calls[r]) or _departure(state, r, calls) is not None for r in wait.behind
+    )
+
+
+def _call_text(call: Collective) -> str:
+    """ "recv from rank 1 #4 on pg 0:p2p (called at file:line)"."""
+    peer = ""
+    if call.peer is not None:
+        peer = f" {'to' if call.op in ('send', 'isend') else 'from'} rank {call.peer}"
+    return f"{call.op}{peer} #{call.seq} on pg {call.pg} (called at {call.caller})"
+
+
+def _departure_text(r: int, departure: Departure) -> str:
+    text = f"rank {r} called {site_text(departure.current)} right after {site_text(departure.previous)}"
+    if departure.usual is not None:
+        return (
+            text + f"; every earlier time it called {site_text(departure.usual)} next: it skipped that call"
+        )
+    return text + ", which it never did before"
+
+
+def _p2p_hang(
+    state: RunState, calls: dict[int, Collective], stalled: float, base: dict[str, Any], evidence: list[str]
+) -> Verdict | None:
+    """Ranks blocked in send/recv: a cycle of ranks each waiting for the next is a deadlock; a rank
+    waiting for a peer that is elsewhere (in a collective, computing, exited) names that peer."""
+    waits = peer_waits(calls)
+    cycle = next((w for w in waits if w.cycle), None)
+    if cycle is not None:
+        return _p2p_deadlock(state, cycle.cycle, waits, calls, stalled, base, evidence)
+    blocked = next((w for w in waits if w.blocker is not None), None)
+    if blocked is None or blocked.blocker is None:
+        return None
+    waiter, peer = blocked.chain[-1], blocked.blocker
+    rank = state.ranks.get(peer)
+    if peer in calls:
+        location, how = calls[peer].caller, f"it is inside {_call_text(calls[peer])}"
+    else:
+        location, how = absent_rank_position(state, peer, rank)
+    summary = (
+        f"hang: rank {waiter} waits in {_call_text(calls[waiter])} for rank {peer}, which never makes the matching "
+        f"call; {how}. No progress for {stalled:.0f} s"
+    )
+    details = {**base, "pg": calls[waiter].pg, "op": calls[waiter].op, "waiting_ranks": blocked.chain}
+    details.update(missing_ranks=[peer], calls={str(r): calls[r].to_dict() for r in blocked.chain})
+    return Verdict("hang.missing_rank", "error", summary, peer, location, details, evidence)
+
+
+def _p2p_deadlock(
+    state: RunState,
+    cycle: list[int],
+    waits: list[PeerWait],
+    calls: dict[int, Collective],
+    stalled: float,
+    base: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """Each rank of `cycle` waits in a send or recv for the next one, which waits too: a deadlock of
+    the program's own point-to-point order. A lone rank of the cycle that left its routine (a
+    skipped send) is the culprit."""
+    departures = {r: d for r in cycle if (d := _departure(state, r, calls)) is not None}
+    culprit = next(iter(departures)) if len(departures) == 1 else None
+    ring = "; ".join(f"rank {r} waits in {_call_text(calls[r])}" for r in cycle)
+    summary = (
+        f"hang: point-to-point deadlock for {stalled:.0f} s: {ring}. Each waits for the next, so none "
+        "of their calls can complete: the ranks' send/recv order does not match"
+    )
+    if culprit is not None:
+        summary += f". R{_departure_text(culprit, departures[culprit])[1:]}"
+    waiting = sorted({r for w in waits for r in w.chain if r not in cycle})
+    if waiting:
+        summary += f". Rank {join_ranks(waiting)} wait{'s' if len(waiting) == 1 else ''} on them"
+    summary += (
+        "; pair every send with a recv in the same order on both ranks (or post both sides with "
+        "isend/irecv or batch_isend_irecv)"
+    )
+    location = calls[culprit if culprit is not None else cycle[0]].caller
+    details = {**base, "deadlock_ranks": cycle, "waiting_ranks": waiting}
+    details["calls"] = {str(r): calls[r].to_dict() for r in sorted(set(cycle) | set(waiting))}
+    return Verdict("hang.p2p_deadlock", "error", summary, culprit, location, details, evidence)
+
+
+def _crossed_groups_hang(
+    state: RunState,
+    crossed: list[_GroupWait],
+    calls: dict[int, Collective],
+    stalled: float,
+    base: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """Ranks blocked in collectives of different groups, each waiting for a member that is inside
+    another group's collective, and no rank's own record says which one left its routine."""
+    parts = [
+        f"rank {join_ranks(w.waiters)} in {w.where()}, which rank {join_ranks(w.behind)} never reached"
+        for w in crossed
+    ]
+    summary = (
+        f"hang for {stalled:.0f} s: ranks wait in collectives of different process groups for each "
+        f"other: {'; '.join(parts)}. The groups' collectives are called in a different order on "
+        "different ranks"
+    )
+    details = {**base, "groups": [{**w.details(), "missing_ranks": w.behind} for w in crossed]}
+    return Verdict("hang.mismatch", "error", summary, None, None, details, evidence)
+
+
+def _hang_outside_collectives(
+    state: RunState, expected: list[int], stalled: float, base: dict[str, Any], evidence: list[str]
+) -> Verdict:
+    """No rank is inside a collective: stuck in start-up, in a DataLoader, or somewhere unknown."""
+    startup = _startup_hang(state, expected, base, evidence)
+    if startup is not None:
+        return startup
+    loaders = [r.rank for r in state.ranks.values() if not r.exited and in_dataloader(r)]
+    if loaders:
+        location, how = where_is(state.ranks[loaders[0]])
+        return Verdict(
+            "hang.dataloader",
+            "error",
+            f"no progress for {stalled:.0f} s: rank {join_ranks(loaders)} stuck loading data; {how}",
+            loaders[0],
+            location,
+            {**base, "ranks": loaders},
+            evidence,
+        )
+    return Verdict(
+        "hang.unknown",
+        "error",
+        f"no progress for {stalled:.0f} s and no rank is inside a collective; see each rank's stack",
+        None,
+        None,
+        base,
+        evidence,
+    )
+
+
+def _frozen_hang(
+    state: RunState,
+    frozen: list[int],
+    waiters: list[int],
+    calls: dict[int, Collective],
+    where_call: str,
+    details: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """The first frozen rank is the culprit: inside a collective (hang.comm) or short of it."""
+    culprit = frozen[0]
+    others = sorted(r for r in waiters if r not in frozen)
+    ages = {r: round(state.now - (state.ranks[r].snapshot.heartbeat or 0.0), 1) for r in frozen}
+    location, how = where_is(state.ranks[culprit])
+    inside = culprit in calls
+    if inside:
+        location = location if state.ranks[culprit].stack else calls[culprit].caller
+    summary = (
+        f"hang: rank {join_ranks(frozen)} stopped responding (heartbeat {max(ages.values()):.0f} s old) "
+        + (f"inside {calls[culprit].op} #{calls[culprit].seq}" if inside else f"({how})")
+        + f": its process is frozen (stopped, traced, or stuck in native code); "
+        f"rank{'s' if len(others) > 1 else ''} {join_ranks(others)} wait{'' if len(others) > 1 else 's'} "
+        f"in {where_call}"
+    )
+    details.update(frozen_ranks=frozen, heartbeat_age=ages)
+    kind = "hang.comm" if inside else "hang.missing_rank"
+    return Verdict(kind, "error", summary, culprit, location, details, evidence)
+
+
+def _missing_rank_hang(
+    state: RunState,
+    wait: _GroupWait,
+    calls: dict[int, Collective],
+    stalled: float,
+    details: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """Some members of a group never reached the collective the others wait in: name one of them
+    and where it is (inside another group's call, it is named with the call it skipped)."""
+    culprits = wait.behind
+    loaders = [r for r in culprits if r in state.ranks and in_dataloader(state.ranks[r])]
+    elsewhere = [r for r in culprits if r in calls and not is_p2p(calls[r])]
+    skipped = [r for r in elsewhere if _departure(state, r, calls) is not None]
+    free = [r for r in culprits if r not in elsewhere]
+    culprit_rank = _pick_culprit(state, skipped or free or culprits, ("skip",))
+    rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
+    location, how = absent_rank_position(state, culprit_rank, rank)
+    if culprit_rank in elsewhere:
+        how += f"; it is inside {_call_text(calls[culprit_rank])} instead"
+        departure = _departure(state, culprit_rank, calls)
+        if departure is not None:
+            how += f" ({_departure_text(culprit_rank, departure)})"
+    worker = _worker_frame(rank) if loaders and rank is not None else None
+    if worker is not None:
+        location = worker["top_user_frame"]
+        function = worker.get("top_user_function")
+        how += f"; its DataLoader worker (pid {worker.get('pid')}) is at {location}" + (
+            f" in {function}()" if function else ""
+        )
+    fault = fault_of(rank, ("skip",)) if rank else None
+    if fault:
+        evidence.append(
+            f"injected fault {fault.get('fault')!r} fired on rank {culprit_rank} at {fault.get('caller')}"
+        )
+    kind = "hang.dataloader" if loaders else "hang.missing_rank"
+    stuck = " is stuck in its DataLoader and" if loaders else ""
+    waiters = wait.waiters
+    summary = (
+        f"hang: rank {culprit_rank}{stuck} never reached {wait.where()}; {how}. "
+        f"Rank{'s' if len(waiters) > 1 else ''} {join_ranks(sorted(waiters))} "
+        f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
+    )
+    if wait.members != _expected_ranks(state):
+        details["group_members"] = wait.members
+    issued = rank.snapshot.issued_on(wait.pg) if rank else None
+    details.update(missing_ranks=culprits, culprit_issued=issued)
+    return Verdict(kind, "error", summary, culprit_rank, location, details, evidence)
+
+
+def _worker_frame(rank: RankState) -> dict[str, Any] | None:
+    """Where a DataLoader worker of the rank is inside the user's own code (its Dataset): the
+    innermost user frame above torch's worker loop. A worker waiting for work has none (its
+    frames below the loop are the rank's, copied by fork)."""
+    roots = roots_of(rank)
+    for worker in (rank.stack or {}).get("workers") or []:
+        for frame in (worker.get("frames") or []) if isinstance(worker, dict) else []:
+            text = str(frame)
+            if _WORKER_LOOP.search(text):
+                break
+            if roots.is_user(frame_path(text)):
+                location, _, function = text.partition(" in ")
+                return {"pid": worker.get("pid"), "top_user_frame": location, "top_user_function": function}
+    return None
+
+
+def absent_rank_position(
+    state: RunState, culprit_rank: int | None, rank: RankState | None
+) -> tuple[str | None, str]:
+    """Where the rank that never reached the collective is (a code location) and how it got there."""
+    if rank is None:
+        return _never_joined(state, culprit_rank) if culprit_rank is not None else (None, "")
+    if rank.exited:
+        fault = fault_of(rank, ("skip",))
+        location: str | None = (
+            (fault or {}).get("caller") or exception_location(rank.exception, rank) or where_is(rank)[0]
+        )
+        exit_info = rank_exit(rank, state)
+        how = f"it {describe_exit(exit_info)}"
+        if not fault and ended_cleanly(rank, exit_info):
+            how += (
+                ", having run fewer collectives than the others: uneven data per rank "
+                "(DistributedSampler(drop_last=True), or DDP's Join context) or a rank that leaves its loop early"
+            )
+        return location, how
+    location, how = where_is(rank)
+    fault = fault_of(rank, ("skip",))
+    if fault and not (rank.stack or {}).get("top_user_frame"):
+        location = fault.get("caller") or location
+    return location, how
+
+
+def _startup_hang(
+    state: RunState, expected: list[int], base: dict[str, Any], evidence: list[str]
+) -> Verdict | None:
+    """No rank is in a traced collective and some rank never got past its start-up: name the ranks
+    that are not waiting for their peers (in init_process_group or DDP's construction)."""
+    starting = [
+        r
+        for r in expected
+        if r not in state.ranks or not (state.ranks[r].snapshot.started_work or state.ranks[r].exited)
+    ]
+    if not starting:
+        return None
+    waiters = {r: m for r in starting if r in state.ranks and (m := state.ranks[r].snapshot.waiting)}
+    stuck = [r for r in starting if r not in waiters]
+    wait_text, caller = "", None
+    elapsed = state.now - state.started
+    details = {**base, "startup_seconds": round(elapsed, 1), "startup_timeout": state.startup_timeout}
+    details.update(waiting_ranks=sorted(waiters), stuck_ranks=stuck)
+    evidence = evidence + [
+        _process_text(p) for p in state.unjoined if p.get("spawn_index") not in state.ranks
+    ]
+    if waiters:
+        what = sorted({str(m.get("what")) for m in waiters.values()})
+        caller = next((m.get("caller") for m in waiters.values() if m.get("caller")), None)
+        wait_text = (
+            f"rank{'s' if len(waiters) > 1 else ''} {join_ranks(sorted(waiters))} wait{'' if len(waiters) > 1 else 's'} "
+            f"in {' / '.join(what)}" + (f" (called at {caller})" if caller else "")
+        )
+    if stuck and not waiters and len(stuck) > 1:
+        # Nobody waits for anybody: every rank is still in its own set-up (imports, loading).
+        places = [
+            f"rank {r}: {where_is(state.ranks[r])[1] if r in state.ranks else _never_joined(state, r)[1]}"
+            for r in stuck
+        ]
+        summary = f"hang at start-up ({elapsed:.0f} s): no rank got to its first collective; " + "; ".join(
+            places
+        )
+        return Verdict("hang.startup", "error", summary, None, None, details, evidence)
+    if stuck:
+        culprit = _pick_culprit(state, stuck, ("skip",))
+        rank = state.ranks.get(culprit) if culprit is not None else None
+        if rank is not None:
+            location, how = where_is(rank)
+        else:
+            location, how = _never_joined(state, culprit) if culprit is not None else (None, "")
+        summary = f"hang at start-up ({elapsed:.0f} s): rank {join_ranks(stuck)} never got to its first collective; {how}"
+        if waiters:
+            summary += f". {wait_text[0].upper()}{wait_text[1:]}"
+        return Verdict("hang.startup", "error", summary, culprit, location, details, evidence)
+    # Every rank that has not started waits for its peers: the rendezvous itself cannot complete.
+    summary = (
+        f"hang at start-up ({elapsed:.0f} s): {wait_text} and no rank is elsewhere: the ranks cannot meet "
+        "(check MASTER_ADDR/MASTER_PORT or the rendezvous endpoint, a firewall, the world size, a node "
+        "that never started); run `sddoctor check-nccl`"
+    )
+    return Verdict("hang.startup", "error", summary, None, caller, details, evidence)
+
+
+def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list[int]:
+    """Ranks whose heartbeat thread stopped ticking while their peers' still tick."""
+    out = []
+    for r in ranks:
+        if state.ranks[r].remote:
+            continue  # another host's clock: a skew would look like a stale heartbeat
+        beat = state.ranks[r].snapshot.heartbeat
+        if beat is not None and state.now - beat > stale:
+            out.append(r)
+    return sorted(out)
+
+
+def _mismatch_verdict(
+    state: RunState,
+    pg: str,
+    seq: int,
+    waiters: list[int],
+    out_of_step: list[int],
+    calls: dict[int, Collective],
+    details: dict[str, Any],
+    evidence: list[str],
+) -> Verdict:
+    """Ranks disagree on a collective: the minority, else the rank(s) that called a site the others
+    never call where their calls parted, else the rank whose shapes changed at a call site."""
+    involved = sorted(set(waiters) | set(out_of_step))
+    groups: dict[str, list[int]] = {}
+    for r in involved:
+        c = calls[r]
+        groups.setdefault(f"{c.op} #{c.seq} shapes {c.shapes}", []).append(r)
+    minority = min(groups.values(), key=len) if len(groups) > 1 else []
+    parted = parted_sites(state, pg, involved, calls)
+    odd = sorted(parted.odd) if parted is not None and len(parted.odd) < len(parted.sites) else []
+    if minority and len(minority) < len(involved) / 2:
+        suspects = minority
+    else:
+        suspects = odd or [r for r in involved if _shape_changed(state, r, calls[r])]
+    culprit = _pick_culprit(state, suspects or involved, ("shape", "skip"), require_evidence=not suspects)
+    parts = [
+        f"rank {r}: {calls[r].op} #{calls[r].seq} shapes {calls[r].shapes} at {calls[r].caller}"
+        for r in involved
+    ]
+    summary = f"hang: ranks disagree on collective #{seq} (pg {pg}): " + "; ".join(parts)
+    location = calls[culprit].caller if culprit is not None and culprit in calls else None
+    if parted is not None:
+        summary += f". {_parted_text(parted)}"
+        if culprit in parted.odd:
+            location = parted.sites[culprit][1] or location
+        details["parted_at"] = {
+            "seq": parted.seq,
+            "sites": {str(r): {"op": op, "caller": caller} for r, (op, caller) in parted.sites.items()},
+            "odd_ranks": sorted(parted.odd),
+        }
+    details.update(calls={str(r): calls[r].to_dict() for r in involved}, out_of_step_ranks=out_of_step)
+    fault = fault_of(state.ranks[culprit], ("shape", "skip")) if culprit in state.ranks else None
+    if fault:
+        evidence.append(
+            f"injected fault {fault.get('fault')!r} fired on rank {culprit} at {fault.get('caller')}"
+        )
+        location = location or fault.get("caller")
+    return Verdict("hang.mismatch", "error", summary, culprit, location, details, evidence)
+
+
+def _parted_text(parted: PartedSites) -> str:
+    """Where the ranks' calls parted, naming every rank's call site there."""
+    said = []
+    for r, site in sorted(parted.sites.items()):
+        never = parted.odd.get(r)
+        tail = f", which rank {join_ranks(never)} never call{'s' if len(never) == 1 else ''}" if never else ""
+        said.append(f"rank {r} called {site_text(site)}{tail}")
+    text = f"The ranks' calls parted at #{parted.seq}: " + "; ".join(said)
+    if parted.odd:
+        return text + (
+            ". A collective that only some ranks reach (under `if rank == 0`, `is_main_process` or "
+            "`is_global_zero`, or a callback run on one rank) must be called by every rank"
+        )
+    return text + ": every rank calls these sites, in a different order"
+
+
+def _shape_changed(state: RunState, rank_id: int, call: Collective) -> bool:
+    """True when this rank called the same site before with other shapes (it is the odd one)."""
+    rank = state.ranks.get(rank_id)
+    if rank is None:
+        return False
+    for sightings in rank.arrivals.values():
+        for arrival in sightings.values():
+            if arrival.caller == call.caller and arrival.shapes not in (None, call.shapes):
+                return True
+    return False
+
+
+def mismatch_from_sightings(state: RunState) -> Verdict | None:
+    """Find the seq at which ranks' recorded ops/shapes differ (from sightings and in-flight calls)."""
+    table: dict[tuple[str, int], dict[int, Collective]] = {}
+    for rank in state.ranks.values():
+        for pg, sightings in rank.arrivals.items():
+            for seq, a in sightings.items():
+                sighted = {"pg": pg, "seq": seq, "op": a.op, "shapes": a.shapes, "caller": a.caller}
+                table.setdefault((pg, seq), {})[rank.rank] = Collective.of(sighted)
+        for c in rank.snapshot.inflight:
+            table.setdefault((c.pg, c.seq or 0), {})[rank.rank] = c
+    for (pg, seq), calls in sorted(table.items(), key=lambda kv: kv[0][1]):
+        if len(calls) < 2:
+            continue
+        if len({f"{c.op} {c.shapes}" for c in calls.values()}) > 1:
+            return _mismatch_verdict(state, pg, seq, sorted(calls), [], calls, {"pg": pg, "seq": seq}, [])
+    routine = _routine_broken(state)
+    if routine is not None:
+        return routine
+    # No two sightings of the same seq: fall back on an injected shape fault, if one fired.
+    for rank in state.ranks.values():
+        fault = fault_of(rank, ("shape",))
+        if fault:
+            return Verdict(
+                "hang.mismatch",
+                "error",
+                f"ranks disagree on collective #{fault.get('seq')}: rank {rank.rank} changed its shapes",
+                rank.rank,
+                fault.get("caller"),
+                {"seq": fault.get("seq"), "shapes": fault.get("shapes")},
+                [f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"],
+            )
+    return None
+
+
+def _routine_broken(state: RunState) -> Verdict | None:
+    """The one rank whose last recorded call broke its own routine (see `left_routine`), when no two
+    ranks' records of the same call can be compared (the aborted rank died before writing them)."""
+    broken = []
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        sightings = [
+            (a.enqueue, pg, seq, a) for pg, by_seq in rank.arrivals.items() for seq, a in by_seq.items()
+        ]
+        if not sightings:
+            continue
+        _, pg, seq, last = max(sightings, key=lambda s: s[0])
+        call = Collective(
+            pg=pg, seq=seq, op=last.op, shapes=last.shapes, caller=last.caller, since=last.enqueue
+        )
+        departure = left_routine(rank, call)
+        if departure is not None:
+            broken.append((rank.rank, call, departure))
+    if len(broken) != 1:
+        return None
+    culprit, call, departure = broken[0]
+    summary = (
+        f"ranks disagree on collective #{call.seq} (pg {call.pg}): {_departure_text(culprit, departure)}, so its "
+        f"#{call.seq} met a different call of the other ranks"
+    )
+    location = departure.usual[1] if departure.usual is not None else call.caller
+    sighted = {"pg": call.pg, "seq": call.seq, "op": call.op, "shapes": call.shapes, "caller": call.caller}
+    details = {"pg": call.pg, "seq": call.seq, "calls": {str(culprit): sighted}}
+    return Verdict("hang.mismatch", "error", summary, culprit, location, details, [])
+
+
+def _pick_culprit(
+    state: RunState, suspects: list[int], fault_kinds: tuple[str, ...], require_evidence: bool = False
+) -> int | None:
+    """One rank among suspects: the one an injected fault fired on, else the lowest (or None)."""
+    for r in suspects:
+        if r in state.ranks and fault_of(state.ranks[r], fault_kinds):
+            return r
+    if require_evidence and len(suspects) > 1:
+        return None
+    return min(suspects) if suspects else None

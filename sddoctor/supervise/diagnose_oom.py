@@ -1,0 +1,89 @@
+"""Out-of-memory verdicts: OOM events, and whether the trainer's fallback absorbed them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sddoctor.supervise.diagnose_base import exception_location
+from sddoctor.supervise.state import RunState, Verdict
+
+OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)
+
+
+def _gib(value: Any) -> str:
+    return f"{value / 2**30:.2f} GiB" if isinstance(value, (int, float)) else "?"
+
+
+def diagnose_oom(state: RunState) -> list[Verdict]:
+    verdicts: list[Verdict] = []
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        for oom in rank.ooms:
+            t = oom.get("t", 0.0)
+            fallback = next(
+                (
+                    f
+                    for r in state.ranks.values()
+                    for f in r.fallbacks
+                    if f.get("t", 0.0) >= t - 1.0
+                    and (f.get("step") in (None, oom.get("step")) or r.rank == rank.rank)
+                ),
+                None,
+            )
+            if fallback is None and not rank.exited and state.job_exit is None and state.now - t < 10.0:
+                continue  # the fallback may still be on its way: decide once it came or the rank died
+            phase = oom.get("phase", "?")
+            if oom.get("mem_alloc") is None and oom.get("mem_total") is None:
+                mem = "no device memory figures: not on a CUDA device"
+            else:
+                mem = (
+                    f"allocated {_gib(oom.get('mem_alloc'))}, reserved {_gib(oom.get('mem_reserved'))}"
+                    f" of {_gib(oom.get('mem_total'))}"
+                )
+            details: dict[str, Any] = {
+                k: oom.get(k) for k in ("step", "phase", "micro_batch", "grad_accum") if k in oom
+            }
+            details.update(
+                mem_alloc=oom.get("mem_alloc"),
+                mem_reserved=oom.get("mem_reserved"),
+                mem_total=oom.get("mem_total"),
+            )
+            evidence = [f"oom event of rank {rank.rank}: {str(oom.get('message', ''))[:200]}"]
+            if fallback is not None:
+                details["fallback"] = {k: v for k, v in fallback.items() if k not in ("v", "kind")}
+                summary = (
+                    f"rank {rank.rank} ran out of memory in {phase} at step {oom.get('step')} ({mem}); "
+                    f"the trainer's fallback recovered: micro-batch {fallback.get('old_micro_batch')}"
+                    f" -> {fallback.get('new_micro_batch')}, grad_accum {fallback.get('old_grad_accum')}"
+                    f" -> {fallback.get('new_grad_accum')}"
+                )
+                verdicts.append(
+                    Verdict("oom.recovered", "info", summary, rank.rank, oom.get("caller"), details, evidence)
+                )
+            else:
+                summary = f"rank {rank.rank} ran out of memory in {phase} at step {oom.get('step')} ({mem})"
+                if rank.exception:
+                    details["exception"] = {k: rank.exception.get(k) for k in ("type", "message")}
+                    details["traceback"] = rank.exception.get("traceback")
+                    summary += f"; it stopped with {rank.exception.get('type')}"
+                location = oom.get("caller") or exception_location(rank.exception, rank)
+                verdicts.append(Verdict("oom", "error", summary, rank.rank, location, details, evidence))
+        exc = rank.exception
+        any_oom_event = any(r.ooms for r in state.ranks.values())
+        if not any_oom_event and exc and OOM_TEXT.search(f"{exc.get('type')} {exc.get('message')}"):
+            verdicts.append(
+                Verdict(
+                    "oom",
+                    "error",
+                    f"rank {rank.rank} died of out-of-memory: {str(exc.get('message'))[:160]}",
+                    rank.rank,
+                    exception_location(exc, rank),
+                    {
+                        "step": rank.snapshot.step,
+                        "phase": rank.snapshot.phase,
+                        "traceback": exc.get("traceback"),
+                    },
+                    [f"exception event of rank {rank.rank}: {exc.get('type')}"],
+                )
+            )
+    return verdicts
