@@ -15,14 +15,13 @@ sddoctor's own hook, installed at that forward, and DDP refused the second one: 
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from client_fixtures import CLIENTS, sddoctor_tracebacks
-from supervise_fixtures import Supervised, run_supervised
+from supervise_fixtures import Supervised, run_supervised, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,15 +48,7 @@ FORMS: dict[str, tuple[int, int, int, bool]] = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
     root = tmp_path_factory.mktemp("forms")
-    job = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPT),
-    ]
+    job = torchrun(2, "--standalone", str(SCRIPT))
 
     def one(form: str) -> tuple[str, Supervised]:
         where: Path = root / form
