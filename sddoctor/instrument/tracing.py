@@ -552,8 +552,14 @@ class Tracer:
         """A skip fault fired: this rank never issues another collective (the others wait for it)."""
         if self.session is not None:
             self.session.writer.flush()
-        while True:
-            time.sleep(3600)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            if where != "exit":
+                raise  # as from the collective it stands for (mp.spawn's parent stops workers with SIGINT)
+            # Interrupted while holding the exit (atexit): the process was told to stop, so it
+            # ends quietly instead of printing a traceback from an atexit callback.
 
     def _default_name(self) -> str:
         st = self._groups.get(None)
