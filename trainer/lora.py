@@ -342,20 +342,21 @@ def _filled(plain: Any, adapted: torch.nn.Module, merge: bool) -> Any:
     missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
     # transformers' CLIP registers position_ids as a non-persistent buffer: not in the state dict,
     # so it is left on the meta device by the load; it is a fixed arange.
+    adapted_buffers = dict(adapted.named_buffers())
     for name, buffer in list(plain.named_buffers()):
         if buffer.is_meta:
             owner = plain.get_submodule(name.rpartition(".")[0]) if "." in name else plain
             leaf = name.rpartition(".")[2]
-            source = dict(adapted.named_buffers())[_adapted_name(name, adapted)]
+            source = adapted_buffers[_adapted_name(name, adapted_buffers)]
             owner.register_buffer(leaf, source.detach().clone(), persistent=False)
     if unexpected or [k for k in missing if k not in dict(plain.named_buffers())]:
         raise ValueError(f"cannot rebuild the model without adapters: missing {missing}, unexpected {unexpected}")
     return plain.train(adapted.training)
 
 
-def _adapted_name(name: str, adapted: torch.nn.Module) -> str:
-    """A plain module's buffer name in the adapted module (peft puts base layers under base_layer)."""
-    buffers = dict(adapted.named_buffers())
+def _adapted_name(name: str, buffers: dict[str, torch.Tensor]) -> str:
+    """A plain module's buffer name among the adapted module's `buffers` (peft puts base layers
+    under base_layer)."""
     if name in buffers:
         return name
     parts = name.split(".")
