@@ -135,6 +135,8 @@ NORM_VARIANTS: dict[str, tuple[type[nn.GroupNorm] | None, dict[str, Any]]] = {
     "primitive": (PrimitiveGroupNorm, {}),
     "primitive-nhwc": (NhwcGroupNorm, {}),
     "nd-tiling": (None, {"triton.prefer_nd_tiling": True}),
+    # Inductor times neighbouring block sizes of each Triton kernel and keeps the fastest
+    "coord-descent": (None, {"coordinate_descent_tuning": True}),
 }
 
 
@@ -197,6 +199,8 @@ def bench_norm(batch: int, iters: int, variants: list[str]) -> dict[str, Any]:
             with torch._inductor.config.patch(options):  # read when the first call compiles
                 run = resnet_block(side, c_in, c_out, skip, batch, norm)
                 row[name] = round(cuda_ms(run, iters), 3)
+                # as it goes: a variant whose compile runs past a time limit leaves the others
+                print(f"{shape} {name}: {row[name]} ms", file=sys.stderr, flush=True)
                 if side == 64 and skip:
                     row[f"{name} kernels"] = top_kernels(run, 5)
             totals[name] += row[name] * blocks

@@ -129,6 +129,9 @@ VARIANTS.update(
         # N-D tiled pointwise kernels: the up-blocks' GroupNorm + SiLU kernels read their
         # channels_last input C elements apart without it (benchmarks/unet_kernels.py)
         "default-ndtiling": {"model.compile_options": ["triton.prefer_nd_tiling=true"]},
+        # each Triton kernel's block sizes tuned by timing their neighbours (the norm kernels'
+        # launch configuration is what makes the up-blocks' GroupNorm slow)
+        "default-coordtune": {"model.compile_options": ["coordinate_descent_tuning=true"]},
     }
 )
 
