@@ -136,6 +136,8 @@ def main():
         loss.backward()  # BACKWARD
         optimizer.step()
         optimizer.zero_grad()
+        if os.environ.get("BROADCAST") == "1":  # a broadcast of the user's own, as Lightning issues
+            dist.broadcast(torch.zeros(3), src=0)  # BROADCAST
     dist.destroy_process_group()
 
 
@@ -161,3 +163,22 @@ def test_a_skipped_gradient_all_reduce_beside_ddps_own_collectives_is_a_missing_
         assert v["details"]["op"] == "all_reduce" and v["details"]["waiting_ranks"] == [0], v
         assert v["location"] == script_line("# BACKWARD", script), v
         assert "Received data size doesn't match" not in res.stderr
+
+
+def test_a_skip_just_before_ddps_own_collectives_holds_the_rank_at_its_next_forward(tmp_path):
+    """Skipped: a broadcast after the step. Held only at the next traced call, the rank would first
+    run the next forward's buffer broadcast (untraced), which meets the peer's pending broadcast:
+    gloo aborts both ranks on the size ("hang.mismatch" of the wrong collective). It stops at the
+    DDP model's forward instead."""
+    script = tmp_path / "bn.py"
+    script.write_text(BATCHNORM_JOB)
+    res = run_supervised(
+        tmp_path, torchrun(2, str(script)), env={"UNUSED": "0", "BROADCAST": "1"}, fault="skip:rank=1,seq=2"
+    )
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["details"]["op"] == "broadcast" and v["details"]["waiting_ranks"] == [0], v
+    assert v["location"] == script_line("# FORWARD", script), v
+    assert f"called at {script_line('# BROADCAST', script)}" in v["summary"], v
+    assert "Received data size doesn't match" not in res.stderr

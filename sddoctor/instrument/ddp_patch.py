@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,8 @@ from sddoctor.instrument.safety import internal_error
 
 PostConstruct = Callable[[Any], None]
 _callbacks: list[PostConstruct] = []
+#: every DistributedDataParallel of this process (a skip fault holds the rank at their next use)
+_live_models: weakref.WeakSet[Any] = weakref.WeakSet()
 # torch 2.x names the built-in one with a leading underscore, torch 1.x without
 _REGISTER_METHODS = ("register_comm_hook", "register_builtin_comm_hook", "_register_builtin_comm_hook")
 
@@ -27,6 +30,16 @@ def add_post_construct(callback: PostConstruct) -> None:
     """Call `callback(ddp_module)` after every DistributedDataParallel construction."""
     if callback not in _callbacks:
         _callbacks.append(callback)
+
+
+def live_models() -> list[Any]:
+    """The DistributedDataParallel modules of this process that are still alive."""
+    for _ in range(3):  # a DDP constructed on another thread may change the set meanwhile
+        try:
+            return list(_live_models)
+        except RuntimeError:
+            continue
+    return []
 
 
 def install_comm_hook(model: Any) -> None:
@@ -94,6 +107,10 @@ def install(_module: Any = None) -> bool:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        try:
+            _live_models.add(self)
+        except Exception as exc:  # noqa: BLE001 - never break the user's model construction
+            internal_error("DDP registry", exc)
         for callback in list(_callbacks):
             try:
                 callback(self)

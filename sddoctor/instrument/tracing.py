@@ -527,6 +527,7 @@ class Tracer:
                     # forward): held at the next traced call, one of those would meet the peers'
                     # pending bucket, which gloo aborts on and NCCL mixes up. It stops here instead.
                     self._hold(caller)
+                self._hold_at_ddps_own_collectives()
                 self._hold_next = True
                 atexit.register(self._hold, "exit")
                 return ("skip", _skipped_result(spec, args, kwargs, pi, user_async))
@@ -547,6 +548,31 @@ class Tracer:
         if self.session is not None:
             self.session.writer.emit(EventKind.FAULT, **fields)
             self.session.writer.flush()
+
+    def _hold_at_ddps_own_collectives(self) -> None:
+        """After a skip outside a gradient bucket, also hold the rank before DDP's untraced calls.
+
+        Held only at the next traced collective, the rank would first run DDP's own collectives
+        that sddoctor does not see: the buffer broadcast and the bucket rebuild's broadcast at the
+        next forward, the used-parameter map's all-reduce at the first gradient of the next
+        backward (find_unused_parameters). One of those would meet the peers' pending call, which
+        gloo aborts on ("Received data size doesn't match") and NCCL mixes up. So the rank stops
+        at the next forward of any DDP model, or at the first gradient of its parameters, when
+        either comes before the next traced collective. The hooks stay: the rank never goes on.
+        """
+        try:
+            from sddoctor.instrument import ddp_patch
+
+            for model in ddp_patch.live_models():
+                model.register_forward_pre_hook(lambda _module, _args: self._hold("ddp forward"))
+                for param in model.parameters():
+                    if param.requires_grad:
+                        param.register_hook(self._hold_at_gradient)
+        except Exception as exc:  # noqa: BLE001 - held at the next traced collective then
+            internal_error("skip fault: hold before DDP's own collectives", exc)
+
+    def _hold_at_gradient(self, _grad: Any) -> None:
+        self._hold("ddp backward")
 
     def _hold(self, where: str) -> None:
         """A skip fault fired: this rank never issues another collective (the others wait for it)."""
