@@ -154,10 +154,13 @@ class RankSession:
     def fire_fault(self, fault: Fault, /, **where: Any) -> None:
         """Fire a kill/raise fault now: a `fault` event (flushed), then the signal or the exception."""
         self._fired.add(fault.spec)
-        self.writer.emit(EventKind.FAULT, **{**where, "fault": fault.spec})
+        number = int(fault.get("signal", signal.SIGKILL))
+        # the signal, so that a death by it reads as injected, whoever reports the exit status
+        extra = {"signal": number} if fault.kind == "kill" else {}
+        self.writer.emit(EventKind.FAULT, **{**where, **extra, "fault": fault.spec})
         self.writer.flush()
         if fault.kind == "kill":
-            os.kill(os.getpid(), int(fault.get("signal", signal.SIGKILL)))
+            os.kill(os.getpid(), number)
             time.sleep(5)  # a catchable signal may return; give it time to act
         at = f"step {where['step']}" if "step" in where else f"collective #{where.get('seq')}"
         raise InjectedFault(str(fault.get("message") or f"injected fault {fault.spec!r} at {at}"))
