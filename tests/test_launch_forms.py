@@ -33,9 +33,11 @@ def _crash_of_rank_1_at_boom(res: Supervised) -> None:
     assert "boom in user code" in v["summary"], v
 
 
-def test_an_exception_is_named_under_the_users_own_excepthook(tmp_path: Path) -> None:
-    # the script's hook replaces sddoctor's and never calls it: the exception still counts
-    res = _run(tmp_path, BOOM="3", EXCEPTHOOK="1")
+@pytest.mark.parametrize("hook", ["1", "exit"], ids=["logging-hook", "hook-ending-in-os-exit"])
+def test_an_exception_is_named_under_the_users_own_excepthook(tmp_path: Path, hook: str) -> None:
+    # the script's hook replaces sddoctor's and never calls it, and may end the process itself with
+    # os._exit(1) (no interpreter exit follows): the exception still counts
+    res = _run(tmp_path, BOOM="3", EXCEPTHOOK=hook)
     _crash_of_rank_1_at_boom(res)
     (exc,) = res.events(1, "exception")
     assert exc["type"] == "RuntimeError" and exc["caller"] == script_line("# BOOM", SCRIPT), exc
