@@ -43,9 +43,13 @@ def test_an_exception_is_named_under_the_users_own_excepthook(tmp_path: Path, ho
     assert exc["type"] == "RuntimeError" and exc["caller"] == script_line("# BOOM", SCRIPT), exc
 
 
-def test_a_native_crash_is_located_under_elastic_record(tmp_path: Path) -> None:
-    # @record enables faulthandler on stderr; the rank's fatal-signal dump must still be its own
-    res = _run(tmp_path, SEGV="3", RECORD="1")
+@pytest.mark.parametrize(
+    "env", [{"RECORD": "1"}, {"PYTHONFAULTHANDLER": "1"}], ids=["elastic-record", "PYTHONFAULTHANDLER"]
+)
+def test_a_native_crash_is_located_under_elastic_record(tmp_path: Path, env: dict[str, str]) -> None:
+    # @record enables faulthandler on stderr, PYTHONFAULTHANDLER=1 does so as the interpreter starts:
+    # the rank's fatal-signal dump must still be its own
+    res = _run(tmp_path, SEGV="3", **env)
     assert res.returncode in (1, 124), res.stderr[-3000:]
     (v,) = res.verdicts("crash")
     assert v["culprit_rank"] == 1, v
