@@ -82,6 +82,18 @@ def test_a_restart_leaves_the_health_waits_of_each_attempt_apart(tmp_path: Path)
     # model's ranks wait milliseconds for each other within an attempt
     for rank, health in res.report["health"]["ranks"].items():
         assert (health["waited_seconds"] or 0.0) < 2.0, (rank, health)
+    # steps are counted per attempt too: the figures are the last attempt's, the earlier ones apart
+    last_steps = []
+    for rank, health in res.report["health"]["ranks"].items():
+        log = [e for e in res.events(int(rank), "start") + res.events(int(rank), "step")]
+        starts = sorted(e["t"] for e in log if e["kind"] == "start")
+        steps = [e for e in log if e["kind"] == "step"]
+        later = [e for e in steps if e["t"] >= starts[-1]]
+        assert len(starts) == health["attempts"] == 2, (rank, health)
+        assert 0 < health["earlier_steps"] == len(steps) - len(later), (rank, health)
+        assert health["steps"] == len(later), (rank, health)
+        last_steps.append(len(later))
+    assert res.report["health"]["throughput"]["steps"] == max(last_steps), res.report["health"]["throughput"]
 
 
 def test_torchruns_options_from_pet_variables_give_the_world(tmp_path: Path) -> None:
