@@ -4,7 +4,8 @@ Environment: STEPS (10), BOOM (rank 1 raises at that step, attempt 0 of a torchr
 SEGV (rank 1 dies of a segmentation fault in native code at that step), KILL (rank 1 is killed by
 SIGKILL at that step, attempt 0 only: the OOM killer, a one-time node problem), HELPER=1 (each
 rank starts a Python child that outlives it, as a metrics or evaluation helper can),
-EXCEPTHOOK=1 (a logging sys.excepthook that does not chain to the one before it), RECORD=1
+EXCEPTHOOK=1 (a logging sys.excepthook that does not chain to the one before it; EXCEPTHOOK=exit:
+one that then ends the process with os._exit(1), not to hang in the teardown), RECORD=1
 (main wrapped in torch.distributed.elastic's @record).
 """
 
@@ -27,6 +28,8 @@ log = logging.getLogger("train")
 def log_uncaught(etype, value, tb):
     log.error("uncaught", exc_info=(etype, value, tb))
     sys.__excepthook__(etype, value, tb)
+    if os.environ.get("EXCEPTHOOK") == "exit":
+        os._exit(1)  # HOOK_EXIT
 
 
 def main():

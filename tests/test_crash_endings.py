@@ -146,3 +146,16 @@ def test_an_injected_fault_that_never_fired_is_said(tmp_path):
     assert "the injected fault 'kill:rank=1,seq=99' never fired" in res.stderr
     assert "'sleep:rank=0,seconds=0,seq=2' never fired" not in res.stderr
     assert "never fired" in (res.run_dir / "report.md").read_text()
+
+
+def test_a_kill_injected_into_an_mp_spawn_worker_is_read_as_that_signal(tmp_path):
+    """sddoctor is not the parent of mp.spawn's workers: the exit status comes from the spawning
+    parent's join, not from a guess ("vanished without an exit record")."""
+    client = CLIENTS_BY_NAME["spawn"]
+    res = run_supervised(tmp_path, client.command(), env=client.environment(), fault="kill:rank=1,step=5")
+    (verdict,) = res.verdicts("crash")
+    assert verdict["culprit_rank"] == 1 and verdict["location"] == client.line("# FORWARD"), verdict
+    assert "killed by signal 9 (SIGKILL) (injected by SDDOCTOR_FAULT)" in verdict["summary"], verdict
+    assert verdict["details"]["exit"]["signal"] == 9, verdict
+    failures = {f["rank"]: f for f in res.report["launcher"]["failures"]}
+    assert failures[1]["root_cause"] and failures[1]["exitcode"] == -9, failures

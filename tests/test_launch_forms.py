@@ -33,17 +33,23 @@ def _crash_of_rank_1_at_boom(res: Supervised) -> None:
     assert "boom in user code" in v["summary"], v
 
 
-def test_an_exception_is_named_under_the_users_own_excepthook(tmp_path: Path) -> None:
-    # the script's hook replaces sddoctor's and never calls it: the exception still counts
-    res = _run(tmp_path, BOOM="3", EXCEPTHOOK="1")
+@pytest.mark.parametrize("hook", ["1", "exit"], ids=["logging-hook", "hook-ending-in-os-exit"])
+def test_an_exception_is_named_under_the_users_own_excepthook(tmp_path: Path, hook: str) -> None:
+    # the script's hook replaces sddoctor's and never calls it, and may end the process itself with
+    # os._exit(1) (no interpreter exit follows): the exception still counts
+    res = _run(tmp_path, BOOM="3", EXCEPTHOOK=hook)
     _crash_of_rank_1_at_boom(res)
     (exc,) = res.events(1, "exception")
     assert exc["type"] == "RuntimeError" and exc["caller"] == script_line("# BOOM", SCRIPT), exc
 
 
-def test_a_native_crash_is_located_under_elastic_record(tmp_path: Path) -> None:
-    # @record enables faulthandler on stderr; the rank's fatal-signal dump must still be its own
-    res = _run(tmp_path, SEGV="3", RECORD="1")
+@pytest.mark.parametrize(
+    "env", [{"RECORD": "1"}, {"PYTHONFAULTHANDLER": "1"}], ids=["elastic-record", "PYTHONFAULTHANDLER"]
+)
+def test_a_native_crash_is_located_under_elastic_record(tmp_path: Path, env: dict[str, str]) -> None:
+    # @record enables faulthandler on stderr, PYTHONFAULTHANDLER=1 does so as the interpreter starts:
+    # the rank's fatal-signal dump must still be its own
+    res = _run(tmp_path, SEGV="3", **env)
     assert res.returncode in (1, 124), res.stderr[-3000:]
     (v,) = res.verdicts("crash")
     assert v["culprit_rank"] == 1, v
@@ -76,6 +82,18 @@ def test_a_restart_leaves_the_health_waits_of_each_attempt_apart(tmp_path: Path)
     # model's ranks wait milliseconds for each other within an attempt
     for rank, health in res.report["health"]["ranks"].items():
         assert (health["waited_seconds"] or 0.0) < 2.0, (rank, health)
+    # steps are counted per attempt too: the figures are the last attempt's, the earlier ones apart
+    last_steps = []
+    for rank, health in res.report["health"]["ranks"].items():
+        log = [e for e in res.events(int(rank), "start") + res.events(int(rank), "step")]
+        starts = sorted(e["t"] for e in log if e["kind"] == "start")
+        steps = [e for e in log if e["kind"] == "step"]
+        later = [e for e in steps if e["t"] >= starts[-1]]
+        assert len(starts) == health["attempts"] == 2, (rank, health)
+        assert 0 < health["earlier_steps"] == len(steps) - len(later), (rank, health)
+        assert health["steps"] == len(later), (rank, health)
+        last_steps.append(len(later))
+    assert res.report["health"]["throughput"]["steps"] == max(last_steps), res.report["health"]["throughput"]
 
 
 def test_torchruns_options_from_pet_variables_give_the_world(tmp_path: Path) -> None:

@@ -154,10 +154,13 @@ class RankSession:
     def fire_fault(self, fault: Fault, /, **where: Any) -> None:
         """Fire a kill/raise fault now: a `fault` event (flushed), then the signal or the exception."""
         self._fired.add(fault.spec)
-        self.writer.emit(EventKind.FAULT, **{**where, "fault": fault.spec})
+        number = int(fault.get("signal", signal.SIGKILL))
+        # the signal, so that a death by it reads as injected, whoever reports the exit status
+        extra = {"signal": number} if fault.kind == "kill" else {}
+        self.writer.emit(EventKind.FAULT, **{**where, **extra, "fault": fault.spec})
         self.writer.flush()
         if fault.kind == "kill":
-            os.kill(os.getpid(), int(fault.get("signal", signal.SIGKILL)))
+            os.kill(os.getpid(), number)
             time.sleep(5)  # a catchable signal may return; give it time to act
         at = f"step {where['step']}" if "step" in where else f"collective #{where.get('seq')}"
         raise InjectedFault(str(fault.get("message") or f"injected fault {fault.spec!r} at {at}"))
@@ -183,7 +186,13 @@ class RankSession:
         """sys.exit(status) or os._exit(status) with a failure status was called at `caller`
         (exit_hooks), while `handling` that exception (`except ...: sys.exit(1)`, the usual end of a
         script that prints its own traceback): that exception is what failed, and is recorded.
-        The first call is kept: multiprocessing's spawn_main calls sys.exit again with the status."""
+        The first call is kept: multiprocessing's spawn_main calls sys.exit again with the status.
+
+        Called from a sys.excepthook of the program's own that ends the process (`os._exit(1)`, not to
+        hang in the teardown), no exception is being handled and the process will not reach the exit
+        where a missed uncaught exception is looked for: it is looked for now."""
+        if handling is None and not self._uncaught_recorded:
+            self._record_missed_uncaught()
         if self._exit_call is None and handling is not None and not isinstance(handling, SystemExit):
             self.mark_exit("error", status if isinstance(status, int) else 1)
             self.record_exception(handling, handling.__traceback__, handled=True)

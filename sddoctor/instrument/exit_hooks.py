@@ -6,7 +6,8 @@
   and `os._exit`, which skips atexit, writes the `exit` event and flushes first.
 - Fatal signals (SIGSEGV, SIGABRT from gloo/NCCL, SIGFPE, SIGBUS, SIGILL): `faulthandler`
   writes the Python stack of every thread to `ranks/rank-NNNNN.fatal` (left alone if the
-  user enabled faulthandler already; a later `faulthandler.enable()` for stderr, as
+  program enabled faulthandler for a file already; on for stderr from the start, by
+  PYTHONFAULTHANDLER or `-X faulthandler`, it is taken over; a later `faulthandler.enable()` for stderr, as
   torch.distributed.elastic's `@record` makes, keeps that file, one for another file is done).
   No Python code can run there, so this is the only record of where such a rank was.
 - SIGTERM (what torchrun sends to the surviving ranks when one fails): a Python handler
@@ -84,7 +85,7 @@ def enable_fatal_dump(path: Path) -> bool:
     """faulthandler into `path` (appended), unless already enabled. True if enabled now."""
     import faulthandler
 
-    if faulthandler.is_enabled() and "fatal_file" not in _installed:
+    if faulthandler.is_enabled() and "fatal_file" not in _installed and not _enabled_for_stderr_at_start():
         return False
     old = _installed.pop("fatal_file", None)
     fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - must stay open for the signal handler
@@ -94,6 +95,16 @@ def enable_fatal_dump(path: Path) -> bool:
     if old is not None:
         old.close()
     return True
+
+
+def _enabled_for_stderr_at_start() -> bool:
+    """Whether faulthandler is on because the interpreter turned it on for stderr as it started
+    (PYTHONFAULTHANDLER, `-X faulthandler`), not because the program chose a file. Such a dump, on
+    the job's stderr that all ranks share, names no rank: the rank's file takes it over, as it does
+    a later `faulthandler.enable()` for stderr."""
+    if "faulthandler" in sys._xoptions:
+        return True
+    return not sys.flags.ignore_environment and bool(os.environ.get("PYTHONFAULTHANDLER"))
 
 
 def _keep_fatal_dump_on_stderr_enable() -> None:

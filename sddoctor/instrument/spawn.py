@@ -8,6 +8,10 @@ No launcher sets RANK for these: each worker becomes a rank when it calls init_p
   `RUN_DIR/procs/` (so a worker stuck before init_process_group is named in a startup hang) and
   records the exception that torch's `_wrap` would otherwise swallow into its error queue.
   The parent notes how many workers it started (a hint of the world size before any rank joins).
+- `ProcessContext.join` (the parent's wait for its workers) notes the exit status of every worker
+  it saw end under `RUN_DIR/procs/exit-PID.json`: sddoctor is not the workers' parent, so without
+  it a worker killed hard (SIGKILL, the OOM killer, an injected kill) leaves no record of how it
+  ended. torchrun prints such statuses in its failure summary; mp.spawn prints only the first.
 - `multiprocessing.process.BaseProcess.run` records the exception of a Process target the same
   way (multiprocessing catches it and prints it; `sys.excepthook` never sees it).
 
@@ -36,6 +40,7 @@ def install() -> None:
     from sddoctor.instrument.importhook import when_imported
 
     when_imported("torch.multiprocessing.spawn", _patch_start_processes)
+    when_imported("torch.multiprocessing.spawn", _patch_context_join)
     when_imported("multiprocessing.process", _patch_process_run)
 
 
@@ -92,6 +97,42 @@ def _patch_start_processes(module: Any) -> None:
 
     start_processes.__sddoctor_original__ = original  # type: ignore[attr-defined]
     module.start_processes = start_processes
+
+
+def _patch_context_join(module: Any) -> None:
+    cls: Any = getattr(module, "ProcessContext", None)
+    join = getattr(cls, "join", None)
+    if join is None or getattr(join, "__sddoctor_original__", None) is not None:
+        return
+
+    @functools.wraps(join)
+    def patched_join(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            done = join(self, *args, **kwargs)
+        except BaseException as exc:
+            _note_worker_exits(self, getattr(exc, "error_index", None))
+            raise
+        _note_worker_exits(self, None)
+        return done
+
+    patched_join.__sddoctor_original__ = join  # type: ignore[attr-defined]
+    cls.join = patched_join
+
+
+def _note_worker_exits(context: Any, first: Any) -> None:
+    """Note the exit status of each worker of `context` that has ended, once. Never raises.
+
+    `first` is the spawn index torch blames (the first failure it saw): the others it then stopped."""
+    try:
+        noted: set[int] = context.__dict__.setdefault("_sddoctor_noted", set())
+        for index, process in enumerate(context.processes):
+            code, pid = process.exitcode, process.pid
+            if code is None or pid in noted:
+                continue
+            noted.add(pid)
+            _note(f"exit-{pid}", {"pid": pid, "spawn_index": index, "exitcode": code, "first": index == first})
+    except Exception as error:  # noqa: BLE001
+        internal_error("mp.spawn exit note", error)
 
 
 def _patch_process_run(module: Any) -> None:

@@ -289,6 +289,8 @@ def _crash_verdict(
     )
     step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
+    if _killed_by_fault(fault, exit_info):
+        how += " (injected by SDDOCTOR_FAULT)"
     nested = nested_traceback(str((exc or {}).get("message", "")))
     if exc and not (exit_info or {}).get("signal"):
         how = raised_text(exc)
@@ -344,6 +346,13 @@ def _crash_verdict(
         details=details,
         evidence=evidence,
     )
+
+
+def _killed_by_fault(fault: dict[str, Any] | None, exit_info: dict[str, Any] | None) -> bool:
+    """Whether the rank died of the signal its `kill` fault sends (SIGKILL unless it says another)."""
+    if fault is None or not str(fault.get("fault", "")).startswith("kill:"):
+        return False
+    return bool((exit_info or {}).get("signal") == fault.get("signal", int(signal.SIGKILL)))
 
 
 def _crash_evidence(

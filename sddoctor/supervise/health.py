@@ -31,9 +31,13 @@ def percentile(values: list[float], q: float) -> float | None:
 def health_summary(
     view: RunView, timeline: Timeline | None, gpu_samples: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    ranks = {str(r): _rank_health(rv, timeline) for r, rv in sorted(view.ranks.items())}
+    # A restarted job (torchrun --max-restarts) is summed up by its last attempt, as its collectives
+    # are matched within one attempt: the steps of a process that was replaced, and the time the
+    # launcher took to restart, belong to no rate of the run that went on.
+    attempts = {r: rv.attempts() for r, rv in view.ranks.items()}
+    ranks = {str(r): _rank_health(parts, timeline) for r, parts in sorted(attempts.items())}
     return {
-        "throughput": _throughput(view),
+        "throughput": _throughput({r: parts[-1] for r, parts in attempts.items()}),
         "ranks": ranks,
         "oom": _oom(view),
         "comm": _comm(view),
@@ -59,7 +63,9 @@ def step_times(rv: RankView) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:], strict=False) if b >= a]
 
 
-def _rank_health(rv: RankView, timeline: Timeline | None) -> dict[str, Any]:
+def _rank_health(attempts: list[RankView], timeline: Timeline | None) -> dict[str, Any]:
+    """The figures of the rank's last attempt (its only one unless the launcher restarted it)."""
+    rv = attempts[-1]
     times = step_times(rv)
     start = rv.last("start") or {}
     events_t = [t for e in rv.events if (t := _num(e.get("t"))) is not None]
@@ -82,10 +88,12 @@ def _rank_health(rv: RankView, timeline: Timeline | None) -> dict[str, Any]:
         "collective_share": _round(coll_seconds / wall) if coll_seconds is not None and wall else None,
         "ddp_bucket_seconds": _num(summary.get("ddp_bucket_seconds")),
         "mem_peak": int(max(peaks)) if peaks else None,
+        "attempts": len(attempts),
+        "earlier_steps": sum(len(a.of_kind("step")) for a in attempts[:-1]),
     }
     lane = timeline.lanes.get(rv.rank) if timeline is not None else None
     if lane is not None and lane.calls:
-        stats = lane_stats(lane)
+        stats = lane_stats(lane, attempt=len(attempts) - 1)
         out["waited_seconds"] = stats["waited_seconds"]
         out["wait_share"] = _round(stats["waited_seconds"] / wall) if wall else None
         out["arrived_last"] = stats["arrived_last"]
@@ -93,14 +101,14 @@ def _rank_health(rv: RankView, timeline: Timeline | None) -> dict[str, Any]:
     return out
 
 
-def _throughput(view: RunView) -> dict[str, Any]:
+def _throughput(ranks: dict[int, RankView]) -> dict[str, Any]:
     """Global images (samples) per second over the steps, and the steps' own median figure."""
     total = 0.0
     first: float | None = None
     last: float | None = None
     reported: list[float] = []
     steps = 0
-    for rv in view.ranks.values():
+    for rv in ranks.values():
         events = rv.of_kind("step")
         steps = max(steps, len(events))
         for e in events:
@@ -111,7 +119,7 @@ def _throughput(view: RunView) -> dict[str, Any]:
             if end is not None:
                 first = end - length if first is None else min(first, end - length)
                 last = end if last is None else max(last, end)
-            if rv.rank == min(view.ranks) and (ips := step.images_per_s) is not None:
+            if rv.rank == min(ranks) and (ips := step.images_per_s) is not None:
                 reported.append(ips)
     window = (last - first) if first is not None and last is not None else None
     return {
@@ -226,6 +234,13 @@ def render_health_markdown(health: dict[str, Any]) -> list[str]:
     else:
         out.append("- throughput: no step events (the script did not report steps with `sdi.step`)")
     out.append(f"- backend: {comm.get('backend') or 'unknown'}")
+    restarted = {r: h for r, h in (health.get("ranks") or {}).items() if (h.get("attempts") or 1) > 1}
+    if restarted:
+        earlier = ", ".join(f"rank {r}: {h.get('earlier_steps')}" for r, h in restarted.items())
+        out.append(
+            "- restarted by the launcher: the figures are of each rank's last attempt "
+            f"(steps of the earlier attempts: {earlier})"
+        )
     out += ["", _RANK_HEADER, "|---|---|---|---|---|---|---|---|---|"]
     for rank, r in (health.get("ranks") or {}).items():
         last = r.get("arrived_last")

@@ -425,7 +425,7 @@ class Supervisor:
         if final:
             out["exits"] = {str(r): dict(p.exit) for r, p in self.job.ranks.items() if p.exit is not None}
             out["job_exit"] = {"code": self.job.exit_code, "t": self.job.exit_time}
-            out["launcher_failures"] = parse_launcher_failures(tail)
+            out["launcher_failures"] = parse_launcher_failures(tail) + self.watcher.spawn_failures()
         return out
 
     def _write(self, state: RunState, *, outcome: str, exit_code: int | None) -> dict[str, Any]:

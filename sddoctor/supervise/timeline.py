@@ -388,16 +388,18 @@ def _hang_marks(lanes: dict[int, Lane], v: dict[str, Any], details: dict[str, An
 # -- summaries used by the report -------------------------------------------------------------------
 
 
-def lane_stats(lane: Lane) -> dict[str, Any]:
-    """Per rank: matched collectives, seconds waited for others, how often it arrived last."""
-    matched = [c for c in lane.calls if c.late_rank is not None]
+def lane_stats(lane: Lane, attempt: int | None = None) -> dict[str, Any]:
+    """Per rank: matched collectives, seconds waited for others, how often it arrived last; of one
+    attempt of a restarted job when `attempt` is given (0 the first), else of the whole run."""
+    calls = lane.calls if attempt is None else [c for c in lane.calls if c.attempt == attempt]
+    matched = [c for c in calls if c.late_rank is not None]
     waits = [c.wait for c in matched if c.wait is not None]
     return {
-        "collectives": len(lane.calls),
+        "collectives": len(calls),
         "matched": len(matched),
         "waited_seconds": round(sum(waits), 6),
         "median_wait": round(statistics.median(waits), 6) if waits else None,
-        "arrived_last": lane.last_arrivals(),
+        "arrived_last": sum(1 for c in calls if c.last),
         "dropped": lane.dropped,
     }
 

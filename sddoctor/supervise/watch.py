@@ -41,6 +41,8 @@ class Watcher:
         self.spawned_nprocs: int | None = None
         self.spawner_pids: set[int] = set()
         self.proc_notes: dict[int, dict[str, Any]] = {}
+        #: exit statuses an mp.spawn parent saw of its workers (exit-PID), by pid
+        self.worker_exits: dict[int, dict[str, Any]] = {}
         self._procs_seen: set[str] = set()
         self.ranks: dict[int, RankState] = {}
         self._tails: dict[int, EventTail] = {}
@@ -108,6 +110,33 @@ class Watcher:
                     self.spawned_nprocs = (self.spawned_nprocs or 0) + note["nprocs"]
             elif name.startswith("pid-"):
                 self.proc_notes[note["pid"]] = note
+            elif name.startswith("exit-") and isinstance(note.get("exitcode"), int):
+                self.worker_exits[note["pid"]] = note
+
+    def spawn_failures(self) -> list[dict[str, Any]]:
+        """The failed workers an mp.spawn parent saw end, as torchrun's failure summary reads
+        (`parse_launcher_failures`): the real exit status of a rank that sddoctor is not the parent
+        of. The worker torch blamed first is the root cause."""
+        by_pid: dict[int, int] = {}
+        for rank in self.ranks.values():
+            for pid in (*(a.get("pid") for a in rank.attempts), rank.pid):
+                if isinstance(pid, int):
+                    by_pid[pid] = rank.rank
+        failures = []
+        for pid, note in sorted(self.worker_exits.items()):
+            if note["exitcode"] == 0 or pid not in by_pid:
+                continue
+            failures.append(
+                {
+                    "rank": by_pid[pid],
+                    "local_rank": note.get("spawn_index"),
+                    "exitcode": note["exitcode"],
+                    "pid": pid,
+                    "root_cause": note.get("first") is True,
+                    "source": "mp.spawn",
+                }
+            )
+        return failures
 
     def merge_remote(self, ranks: dict[str, Any], now: float) -> None:
         """Ranks served by another node's supervisor (`--peers`): their snapshots, exits and stacks."""

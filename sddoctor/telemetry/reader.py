@@ -198,6 +198,23 @@ class RankView:
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("kind") == kind]
 
+    def attempts(self) -> list[RankView]:
+        """The rank's events split by process, oldest first: a launcher that restarts its workers
+        (torchrun --max-restarts) starts a new process for the rank, which writes a `start` of
+        another pid. Each part is a RankView of its own; the snapshot belongs to the last."""
+        parts: list[list[dict[str, Any]]] = [[]]
+        pid: Any = None
+        for event in self.events:
+            if event.get("kind") == "start":
+                if pid is not None and event.get("pid") != pid and parts[-1]:
+                    parts.append([])
+                pid = event.get("pid")
+            parts[-1].append(event)
+        return [
+            RankView(rank=self.rank, events=events, state=self.state if i == len(parts) - 1 else None)
+            for i, events in enumerate(parts)
+        ]
+
 
 @dataclass
 class RunView:

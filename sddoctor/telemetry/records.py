@@ -178,6 +178,7 @@ class FaultFields(TypedDict, total=False):
     caller: str
     pg: int | str
     op: str
+    signal: int
 
 
 class CheckpointFields(TypedDict, total=False):
