@@ -117,7 +117,12 @@ class Run:
 def build_run(cfg: Config, d: Dist, out_dir: Path, log: Log, warn: Log) -> Run:
     """Build every piece of the run (collectives included), in order; the loop starts after this."""
     start_time = time.time()
-    dtype = prepare_device(cfg, d.device)
+    dtype = resolve_precision(cfg.train.mixed_precision, d.device)
+    if d.device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+    check_optimizer(cfg.optim, d.device)
     # Bad input (a --resume target, the data folder) fails here, before any model is built.
     resume = choose_checkpoint(
         cfg.checkpoint.resume,
@@ -224,18 +229,6 @@ def fit_new_vae(
         seed=cfg.train.seed,
         log=log,
     )
-
-
-def prepare_device(cfg: Config, device: torch.device) -> torch.dtype:
-    """The step's autocast dtype (train.mixed_precision), with the device's kernel switches set as
-    configured and the optimizer checked against the device (8-bit AdamW needs CUDA)."""
-    dtype = resolve_precision(cfg.train.mixed_precision, device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
-        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-    check_optimizer(cfg.optim, device)
-    return dtype
 
 
 def resolve_precision(mode: str, device: torch.device) -> torch.dtype:

@@ -155,10 +155,11 @@ def build_step(cfg: Any, device: Any) -> tuple[Any, int]:
         cast_frozen,
         load_models,
         offload_frozen,
-        prepare_device,
+        resolve_precision,
     )
     from trainer.models import vae_scale_factor
     from trainer.nonfinite import NonFiniteWatch
+    from trainer.optim import check_optimizer
     from trainer.process import Dist
     from trainer.step import OptimizerStep
 
@@ -166,7 +167,10 @@ def build_step(cfg: Any, device: Any) -> tuple[Any, int]:
         print(f"memory_probe: {line}", file=sys.stderr, flush=True)
 
     d = Dist(rank=0, local_rank=0, world_size=1, device=device, backend="none")
-    dtype = prepare_device(cfg, device)
+    # The trainer's kernel switches (cuDNN benchmark, TF32) are left at torch's defaults: the
+    # probe's published tables (docs/performance.md) were measured with cuDNN benchmark off.
+    dtype = resolve_precision(cfg.train.mixed_precision, device)
+    check_optimizer(cfg.optim, device)
     models, unet_bf16, _, _ = load_models(cfg, d, dtype, log)
     frozen_dtype = cast_frozen(models, dtype, device)
     opt = build_optimization(cfg, d, models, dtype, unet_bf16, log)
