@@ -63,6 +63,18 @@ def wait_to_end(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
     return proc.returncode, output
 
 
+def main_without_torch(module: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """`module.main(argv)` in a fresh process, which fails with 'torch imported' on stderr when the
+    command imported torch (the commands that must start without it: docs/architecture.md)."""
+    code = (
+        f"import sys; from {module} import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
