@@ -32,7 +32,15 @@ def run_to_end(
     """Run `cmd` in its own session; (exit code, stdout+stderr). Past `timeout` its whole process
     group is killed and the test fails with the output's tail (a hang, not a slow machine, at
     the generous timeouts the callers give)."""
-    proc = subprocess.Popen(
+    return wait_to_end(start_in_session(cmd, env, cwd), timeout)
+
+
+def start_in_session(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
+) -> subprocess.Popen[str]:
+    """Start `cmd` in a session of its own (so that its whole process group can be killed), its
+    stdout and stderr in one pipe, for a test that acts on it while it runs, then `wait_to_end`."""
+    return subprocess.Popen(
         cmd,
         cwd=cwd,
         env=env if env is not None else subprocess_env(),
@@ -41,13 +49,30 @@ def run_to_end(
         text=True,
         start_new_session=True,
     )
+
+
+def wait_to_end(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
+    """`run_to_end` for a process `start_in_session` started."""
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:6])} ... did not finish in {timeout:.0f} s:\n{output[-3000:]}")
+        cmd = proc.args if isinstance(proc.args, list) else [str(proc.args)]
+        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... did not finish in {timeout:.0f} s:\n{output[-3000:]}")
     return proc.returncode, output
+
+
+def main_without_torch(module: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """`module.main(argv)` in a fresh process, which fails with 'torch imported' on stderr when the
+    command imported torch (the commands that must start without it: docs/architecture.md)."""
+    code = (
+        f"import sys; from {module} import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
 
 
 def free_port() -> int:

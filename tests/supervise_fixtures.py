@@ -6,6 +6,7 @@ a plain user script, the bundled trainer, or anything else.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -80,17 +81,12 @@ def run_supervised(
     out_file, err_file = tmp_path / "sddoctor.stdout", tmp_path / "sddoctor.stderr"
     with open(out_file, "w") as out, open(err_file, "w") as err:
         proc = subprocess.Popen(cmd, env=subprocess_env(**extra), stdout=out, stderr=err, cwd=tmp_path)
-    seen: dict[int, psutil.Process] = {}
+    tree = ProcessTree([proc])
     deadline = time.monotonic() + timeout
     interrupted = False
     try:
-        me = psutil.Process(proc.pid)
         while proc.poll() is None:
-            try:
-                for child in me.children(recursive=True):
-                    seen.setdefault(child.pid, child)
-            except psutil.Error:
-                pass
+            tree.note_descendants()
             if interrupt_when_ranks and not interrupted:
                 if len(list((run_dir / "ranks").glob("*.state"))) >= interrupt_when_ranks:
                     proc.send_signal(stop_signal)
@@ -102,15 +98,66 @@ def run_supervised(
                 raise AssertionError(f"sddoctor run did not finish in {timeout} s: {cmd}")
             time.sleep(0.1)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        survivors = [p for p in seen.values() if _alive(p)]
-        for p in survivors:
-            p.kill()
-        psutil.wait_procs(survivors, timeout=5)
+        survivors = tree.end()
     assert not survivors, f"processes outlived sddoctor run: {[p.pid for p in survivors]}"
-    return Supervised(proc.returncode, out_file.read_text(), err_file.read_text(), run_dir, set(seen))
+    return Supervised(proc.returncode, out_file.read_text(), err_file.read_text(), run_dir, set(tree.seen))
+
+
+def run_nodes(
+    tmp_path: Path, nodes: dict[int, tuple[list[str], dict[str, str]]], timeout: float
+) -> dict[int, int]:
+    """Start one `sddoctor run` per node (node -> its command and environment, started in that
+    order, logging to tmp_path/nodeN.log), wait for all; fail if one runs past `timeout` or any
+    process they started outlives them. Returns each node's exit code."""
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    tree = ProcessTree([])
+    try:
+        for node, (cmd, env) in nodes.items():
+            with open(tmp_path / f"node{node}.log", "w") as log:  # the child keeps its own copy
+                procs[node] = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=tmp_path)
+            tree.procs.append(procs[node])
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs.values()):
+            tree.note_descendants()
+            if time.monotonic() > deadline:
+                tails = {n: (tmp_path / f"node{n}.log").read_text()[-2000:] for n in procs}
+                raise AssertionError(f"the nodes did not finish in {timeout} s: {tails}")
+            time.sleep(0.1)
+    finally:
+        survivors = tree.end()
+    assert not survivors, f"processes outlived sddoctor run: {[p.pid for p in survivors]}"
+    return {node: p.returncode for node, p in procs.items()}
+
+
+@dataclass
+class ProcessTree:
+    """Processes a test started and every descendant seen while they ran (a rank may be gone by
+    the time its parent ends, so descendants are noted as the test waits, not at the end)."""
+
+    procs: list[subprocess.Popen[Any]]
+    seen: dict[int, psutil.Process] = field(default_factory=dict)
+
+    def note_descendants(self) -> None:
+        for proc in self.procs:
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    self.seen.setdefault(child.pid, child)
+            except psutil.Error:
+                pass  # it ended meanwhile
+
+    def end(self) -> list[psutil.Process]:
+        """Kill the started processes still running (a test that failed or ran out of time), then
+        every descendant still alive: returns those, which outlived their parent."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        survivors = [p for p in self.seen.values() if _alive(p)]
+        for p in survivors:
+            with contextlib.suppress(psutil.Error):  # it ended since
+                p.kill()
+        psutil.wait_procs(survivors, timeout=5)
+        return survivors
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+from supervise_fixtures import Supervised, run_nodes, run_supervised, script_line, torchrun
 
 from conftest import free_port, subprocess_env
 
@@ -101,25 +101,16 @@ def test_torchruns_options_from_pet_variables_give_the_world(tmp_path: Path) -> 
     # PET_NODE_RANK (as a cluster's job script sets them): the world is 2, so a fault for rank 1 is
     # valid on both nodes, and rank 1's crash is named on its node
     master = free_port()
-    procs = []
+    nodes = {}
     for node in (0, 1):
         env = subprocess_env(PET_NNODES="2", PET_NODE_RANK=str(node), SDDOCTOR_FAULT="raise:rank=1,step=3")
-        cmd = [
+        nodes[node] = [
             sys.executable, "-m", "sddoctor", "run", "--quiet", *HANG, "--port", "0",
             "--run-dir", str(tmp_path / f"node{node}"), "--",
             *torchrun(1, "--master-addr", "127.0.0.1", "--master-port", str(master), str(SCRIPT)),
-        ]  # fmt: skip
-        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=tmp_path), log))
-    try:
-        codes = [p.wait(timeout=150) for p, _ in procs]
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    assert 2 not in codes, (tmp_path / "node1.log").read_text()[-3000:]
+        ], env  # fmt: skip
+    codes = run_nodes(tmp_path, nodes, timeout=150)
+    assert 2 not in codes.values(), (tmp_path / "node1.log").read_text()[-3000:]
     for node in (0, 1):
         run = json.loads((tmp_path / f"node{node}" / "run.json").read_text())
         assert (run["world_size"], run["node_rank"]) == (2, node), run

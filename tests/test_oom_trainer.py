@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, subprocess_env
+from conftest import run_to_end, subprocess_env
 from sddoctor.telemetry.reader import read_events
 from trainer.checkpoint import list_checkpoints
 from trainer.config import build_config
@@ -45,24 +43,8 @@ def train(out: Path, cache: Path, max_steps: int, *extra: str, fault: str = "") 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "trainer", "--output-dir", str(out), *ARGS, f"data.cache_dir={cache}"]
     cmd += [f"train.max_steps={max_steps}", *extra]
-    env = subprocess_env()
-    env["SDDOCTOR_FAULT"] = fault
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"trainer did not finish in 240s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    code, output = run_to_end(cmd, timeout=240, env=subprocess_env(SDDOCTOR_FAULT=fault))
+    assert code == 0, output[-4000:]
     return output
 
 

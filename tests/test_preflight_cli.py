@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import subprocess_env
+from conftest import main_without_torch, subprocess_env
 
 
 def check_nccl(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
@@ -21,11 +21,7 @@ def check_nccl(*args: str, timeout: float = 120, **env: str) -> subprocess.Compl
 
 
 def test_help_does_not_import_torch_and_documents_exit_codes():
-    code = (
-        "import sys; from sddoctor.preflight.cli import main; rc = main(['--help']); "
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
+    out = main_without_torch("sddoctor.preflight.cli", ["--help"])
     assert out.returncode == 0, out.stderr
     assert "exit codes (one table for every sddoctor command" in out.stdout and "--quick" in out.stdout
     assert "2      usage error" in out.stdout and "3      warnings, and no failure" in out.stdout

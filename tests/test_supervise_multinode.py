@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 
-import psutil
 import pytest
-from supervise_fixtures import SCRIPT, script_line
+from supervise_fixtures import SCRIPT, run_nodes, script_line
 
 from conftest import free_port, subprocess_env
 
@@ -26,41 +23,19 @@ from conftest import free_port, subprocess_env
 def test_two_nodes_share_state_and_name_the_remote_culprit(tmp_path, hang_timeouts):
     ports = [free_port(), free_port()]
     master = free_port()
-    procs = []
-    seen: dict[int, psutil.Process] = {}
     env = subprocess_env(STEPS="50", SDDOCTOR_FAULT="skip:rank=1,seq=5")
+    nodes = {}
     for node in (1, 0):
-        cmd = [
+        nodes[node] = [
             sys.executable, "-m", "sddoctor", "run", "--quiet", "--hang-timeout", str(hang_timeouts[node]),
             "--on-hang", "kill",
             "--port", str(ports[node]), "--peers", f"127.0.0.1:{ports[1 - node]}",
             "--run-dir", str(tmp_path / f"node{node}"), "--",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master), str(SCRIPT),
-        ]  # fmt: skip
-        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=tmp_path), log))
-    deadline = time.monotonic() + 90
-    try:
-        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
-            for p, _ in procs:
-                try:
-                    for child in psutil.Process(p.pid).children(recursive=True):
-                        seen.setdefault(child.pid, child)
-                except psutil.Error:
-                    pass
-            time.sleep(0.1)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            log.close()
-        left = [c for c in seen.values() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-        for c in left:
-            c.kill()
-    assert not left, "processes outlived sddoctor run"
-    assert [p.returncode for p, _ in procs] == [124, 124], (tmp_path / "node0.log").read_text()
+        ], env  # fmt: skip
+    codes = run_nodes(tmp_path, nodes, timeout=90)
+    assert codes == {0: 124, 1: 124}, (tmp_path / "node0.log").read_text()
     report = json.loads((tmp_path / "node0" / "report.json").read_text())
     assert report["scope"] == "job" and set(report["ranks"]) == {"0", "1"}
     assert report["ranks"]["1"].get("remote") is True

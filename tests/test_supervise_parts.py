@@ -141,14 +141,8 @@ def test_launcher_hints(command, kind, world, node):
     "argv", [["run", "--help"], ["report", "--help"], ["report", "/nonexistent-run-dir"]]
 )
 def test_run_and_report_do_not_import_torch(argv):
-    code = (
-        "import sys; from sddoctor.cli import main; rc = main(sys.argv[1:]); "
-        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
-    )
-    from conftest import subprocess_env
+    from conftest import main_without_torch
 
-    out = subprocess.run(
-        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=subprocess_env()
-    )
+    out = main_without_torch("sddoctor.cli", argv)
     assert out.returncode in (0, 2), out.stderr
     assert "torch imported" not in out.stderr and "Traceback" not in out.stderr

@@ -263,6 +263,7 @@ def test_text_encoder_adapters_only_train_start_at_the_base_and_merge():
     text_encoder = build_models("tiny").text_encoder
     before = text_output(text_encoder)
     assert add_text_encoder_lora(text_encoder, LoraConfig(rank=4)) is None  # lora.text_encoder off
+    assert not any(p.requires_grad for p in text_encoder.parameters())  # frozen all the same
     assert add_text_encoder_lora(text_encoder, TEXT_LORA) is not None
     trainable = [n for n, p in text_encoder.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)

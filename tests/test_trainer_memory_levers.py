@@ -76,21 +76,23 @@ def test_attention_backend_leaves_one_kernel_to_the_unet_alone(monkeypatch, tmp_
         assert torch.backends.cuda.flash_sdp_enabled() == flash_before
 
 
-@pytest.mark.parametrize("variant", ["default", "saver", "gc", "lora", "lora-gc"])
+@pytest.mark.parametrize("variant", ["default", "saver", "gc", "lora", "lora-gc", "lora-te"])
 def test_memory_probe_builds_and_steps_each_setup(variant):
-    """The probe's step (what scripts/gpu/memory24.sh measures on a GPU) runs each setup for real."""
+    """The probe's step (what scripts/gpu/memory24.sh measures on a GPU) runs each setup for real;
+    with the text encoder's adapters, its optimizer has the trainer's two parameter groups."""
     from trainer.bench import VARIANTS
     from trainer.memory_probe import build_step
 
     settings = {**VARIANTS[variant], "model.compile": "false", "model.channels_last": False}
     cfg = build_config("tiny", None, [f"{k}={str(v).lower()}" for k, v in settings.items()])
     step, _ = build_step(cfg, torch.device("cpu"))
-    trainable = [p for p in step.optimizer.param_groups[0]["params"]]
+    trainable = [p for group in step.optimizer.param_groups for p in group["params"]]
     before = [p.detach().clone() for p in trainable]
     step(2)
     step(2)
     assert any(not torch.equal(a, p) for a, p in zip(before, trainable, strict=True))
     assert all(p.grad is None for p in trainable)  # zero_grad(set_to_none) ran
+    assert len(step.optimizer.param_groups) == (2 if variant == "lora-te" else 1)
 
 
 def test_memory_probe_needs_cuda(capsys):

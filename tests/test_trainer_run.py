@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, run_to_end, subprocess_env
+from conftest import REPO_ROOT, run_to_end, start_in_session, subprocess_env, wait_to_end
 from export_check import PROMPTS
 from sddoctor.telemetry.reader import read_events
 from trainer.checkpoint import choose_checkpoint, list_checkpoints, load_checkpoint
@@ -47,25 +47,11 @@ SMALL = [
 def launch(out: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "trainer", "--output-dir", str(out), *SMALL, f"data.cache_dir={cache}", *extra]
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_in_session(cmd)
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"trainer did not finish in {timeout}s:\n{output[-3000:]}")
-    return proc.returncode, output
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    return wait_to_end(proc, timeout=240)
 
 
 def step_losses(out: Path, rank: int) -> dict[int, float]:

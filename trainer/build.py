@@ -143,11 +143,7 @@ def build_run(cfg: Config, d: Dist, out_dir: Path, log: Log, warn: Log) -> Run:
     # Aspect-ratio buckets after the VAE fit (which trains on squares), before the cache (keyed by them).
     target_sizes = prepare_buckets(dataset, cfg.data, side_step(models), log)
     scaling = float(models.vae.config.scaling_factor)
-    frozen_dtype = dtype if d.device.type == "cuda" else torch.float32
-    if frozen_dtype != torch.float32:
-        models.vae.to(dtype=frozen_dtype)
-        models.text_encoder.to(dtype=frozen_dtype)
-        keep_adapters_fp32(models.text_encoder)  # its LoRA adapters, when it trains
+    frozen_dtype = cast_frozen(models, dtype, d.device)  # after the VAE fit, which trains in fp32
     sampler, loader = build_loader(cfg, d, models, dataset, frozen_dtype, target_sizes, log)
     opt = build_optimization(cfg, d, models, dtype, unet_bf16, log)
     step = 0
@@ -161,11 +157,7 @@ def build_run(cfg: Config, d: Dist, out_dir: Path, log: Log, warn: Log) -> Run:
         sdi.event(EventKind.CHECKPOINT, step=step, path=str(resume.path), action="resume")
     guard_state = (shared or {}).get("oom_guard")
     guarded = build_ddp(cfg, d, opt, wrap, guard_state, log, warn)
-    objective = DiffusionObjective(
-        cfg, models, d.device, dtype, frozen_dtype, opt["generator"], opt["scaler"]
-    )
-    if unet_bf16:
-        objective.autocast = contextlib.nullcontext  # the UNet is bf16 already
+    objective = build_objective(cfg, models, d.device, dtype, frozen_dtype, opt, unet_bf16)
     offloaded = offload_frozen(cfg, d, models)
     run = Run(
         cfg=cfg,
@@ -288,8 +280,7 @@ def load_models(
     unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
     check_model_fits(models, cfg.data.resolution, cfg.sample.steps)
     lora_base = add_lora(unet, cfg.lora)  # None: the whole UNet trains
-    text_encoder.requires_grad_(False)
-    text_lora_base = add_text_encoder_lora(text_encoder, cfg.lora)  # None: the text encoder is frozen
+    text_lora_base = add_text_encoder_lora(text_encoder, cfg.lora)  # frozen; None: without adapters
     if cfg.data.buckets:
         check_bucket_settings(cfg.data, side_step(models))
     log(
@@ -314,6 +305,17 @@ def load_models(
     if cfg.model.channels_last:
         unet.to(memory_format=torch.channels_last)
     return models, unet_bf16, lora_base, text_lora_base
+
+
+def cast_frozen(models: Models, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The VAE and the text encoder in the step's dtype on a GPU (fp32 on a CPU), the text encoder's
+    LoRA adapters kept in fp32 for the optimizer; returns that dtype of the frozen weights."""
+    frozen_dtype = dtype if device.type == "cuda" else torch.float32
+    if frozen_dtype != torch.float32:
+        models.vae.to(dtype=frozen_dtype)
+        models.text_encoder.to(dtype=frozen_dtype)
+        keep_adapters_fp32(models.text_encoder)
+    return frozen_dtype
 
 
 def load_resume(
@@ -395,9 +397,36 @@ def build_loader(
 def build_optimization(
     cfg: Config, d: Dist, models: Models, dtype: torch.dtype, unet_bf16: bool, log: Log
 ) -> dict[str, Any]:
-    """The model the step calls (compiled, casting inputs; with the text encoder in front when its
-    adapters train), the optimizer, LR schedule, EMA, loss scaler and this rank's generator, by name."""
+    """The model the step calls (`build_trained_module`), the optimizer, LR schedule, EMA, loss
+    scaler and this rank's generator, by name."""
     device = d.device
+    model, groups = build_trained_module(cfg, models, device, unet_bf16, log)
+    params = [p for group in groups for p in group["params"]]
+    optimizer = build_training_optimizer(groups, cfg.optim, device, unet_bf16)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
+    ema = EMA(models.unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + d.rank)
+    return {
+        "unet": models.unet,
+        "text_encoder": models.text_encoder,
+        "model": model,
+        "params": params,
+        "optimizer": optimizer,
+        "lr_scheduler": lr_scheduler,
+        "ema": ema,
+        "scaler": scaler,
+        "generator": generator,
+    }
+
+
+def build_trained_module(
+    cfg: Config, models: Models, device: torch.device, unet_bf16: bool, log: Log
+) -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+    """The module the step calls, in training mode, and the optimizer's parameter groups: the UNet
+    (compiled, limited to one attention kernel, casting its inputs to bf16, as configured), behind
+    the text encoder (`TextConditioned`, a group with lora.text_encoder_lr) when its adapters train."""
     unet = models.unet
     unet.train()
     compile_unet = cfg.model.compile == "true" or (cfg.model.compile == "auto" and device.type == "cuda")
@@ -414,8 +443,7 @@ def build_optimization(
         model = OnlyAttentionKernel(model, cfg.model.attention_backend)
     if unet_bf16:
         model = CastInputs(model, torch.bfloat16)
-    params = [p for p in unet.parameters() if p.requires_grad]
-    groups: list[dict[str, Any]] = [{"params": params}]
+    groups: list[dict[str, Any]] = [{"params": [p for p in unet.parameters() if p.requires_grad]}]
     if text_encoder_trains(cfg.lora):
         encoder: torch.nn.Module = models.text_encoder.train()
         if compile_unet:  # eager, its peft layers' launches would cost more host time than its kernels
@@ -423,24 +451,23 @@ def build_optimization(
         model = TextConditioned(model, encoder)
         text_params = [p for p in models.text_encoder.parameters() if p.requires_grad]
         groups.append({"params": text_params, "lr": cfg.lora.text_encoder_lr or cfg.optim.lr})
-        params = params + text_params
-    optimizer = build_training_optimizer(groups, cfg.optim, device, unet_bf16)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
-    ema = EMA(unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 1_000_003 + d.rank)
-    return {
-        "unet": unet,
-        "text_encoder": models.text_encoder,
-        "model": model,
-        "params": params,
-        "optimizer": optimizer,
-        "lr_scheduler": lr_scheduler,
-        "ema": ema,
-        "scaler": scaler,
-        "generator": generator,
-    }
+    return model, groups
+
+
+def build_objective(
+    cfg: Config,
+    models: Models,
+    device: torch.device,
+    dtype: torch.dtype,
+    frozen_dtype: torch.dtype,
+    opt: dict[str, Any],
+    unet_bf16: bool,
+) -> DiffusionObjective:
+    """The loss of a step, with `opt`'s generator and loss scaler (build_optimization)."""
+    objective = DiffusionObjective(cfg, models, device, dtype, frozen_dtype, opt["generator"], opt["scaler"])
+    if unet_bf16:
+        objective.autocast = contextlib.nullcontext  # the UNet is bf16 already
+    return objective
 
 
 def build_ddp(

@@ -102,9 +102,13 @@ def add_lora(unet: UNet2DConditionModel, cfg: LoraConfig) -> str | None:
 
 
 def add_text_encoder_lora(text_encoder: torch.nn.Module, cfg: LoraConfig) -> str | None:
-    """Freeze the text encoder and add its adapters when lora.text_encoder is on; returns the base
-    encoder's fingerprint, else None (the encoder stays as it is). LoraError as `add_lora`."""
+    """Freeze the text encoder, and add its adapters when lora.text_encoder is on; returns the base
+    encoder's fingerprint, else None (frozen, without adapters). LoraError as `add_lora`.
+
+    The one place that decides what of the text encoder trains: the trainer never trains its weights.
+    """
     if not text_encoder_trains(cfg):
+        text_encoder.requires_grad_(False)
         return None
     targets = list(cfg.text_encoder_targets)
     return _add_adapters(text_encoder, cfg, targets, "lora.text_encoder_targets", "text encoder")

@@ -6,9 +6,9 @@
 For each variant (the trainer settings of `trainer.bench.VARIANTS`, compile off) a process of its
 own caps PyTorch's allocator at `card - 1` GiB (`torch.cuda.set_per_process_memory_fraction`; the
 GiB left over stands for the CUDA context and library workspaces that a real card of that size
-also holds), builds the UNet, optimizer, EMA and objective the way `python -m trainer` does
-(`trainer.models`, `trainer.lora`, `trainer.optim.build_training_optimizer`,
-`trainer.objective.DiffusionObjective`) and trains on cached-latent-shaped batches: batch 4
+also holds), builds the models, the module the step calls, optimizer, EMA and objective with the
+functions `python -m trainer` builds them with (`trainer.build`, `trainer.step.OptimizerStep`) and
+trains on cached-latent-shaped batches: batch 4
 first (its peak is reported), then doubling and bisection to the exact largest batch that
 completes two steps (forward, backward, clipping, optimizer, EMA) without running out of memory.
 It then times a few steps at that batch (images/s, without torch.compile). A variant that fails
@@ -21,7 +21,6 @@ Exit codes: 0 every variant measured; 1 some variant failed; 2 bad arguments or 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import subprocess
@@ -142,72 +141,64 @@ def _text(value: Any) -> str:
 
 def build_step(cfg: Any, device: Any) -> tuple[Any, int]:
     """One training step of the trainer's setup for `cfg` (compile off), and the bytes the weights,
-    gradients' owners and optimizer/EMA state hold before the first step."""
+    gradients' owners and optimizer/EMA state hold before the first step.
+
+    The models, the module the step calls, the optimizer, the objective and the optimizer step are
+    built by the trainer's own functions (trainer.build, trainer.step), so what is measured is what
+    `python -m trainer` trains; only the data (cached-latent-shaped random batches) is the probe's.
+    """
     import torch
 
-    from trainer.lora import TextConditioned, add_lora, add_text_encoder_lora, keep_adapters_fp32
-    from trainer.memory import CastInputs, unet_weights_bf16
-    from trainer.models import build_models, vae_scale_factor
-    from trainer.objective import DiffusionObjective
-    from trainer.optim import EMA, build_training_optimizer, check_optimizer
+    from trainer.build import (
+        build_objective,
+        build_optimization,
+        cast_frozen,
+        load_models,
+        offload_frozen,
+        resolve_precision,
+    )
+    from trainer.models import vae_scale_factor
+    from trainer.nonfinite import NonFiniteWatch
+    from trainer.optim import check_optimizer
+    from trainer.process import Dist
+    from trainer.step import OptimizerStep
 
+    def log(line: str) -> None:
+        print(f"memory_probe: {line}", file=sys.stderr, flush=True)
+
+    d = Dist(rank=0, local_rank=0, world_size=1, device=device, backend="none")
+    # The trainer's kernel switches (cuDNN benchmark, TF32) are left at torch's defaults: the
+    # probe's published tables (docs/performance.md) were measured with cuDNN benchmark off.
+    dtype = resolve_precision(cfg.train.mixed_precision, device)
     check_optimizer(cfg.optim, device)
-    torch.manual_seed(cfg.train.seed)
-    with torch.device(device):
-        models = build_models(cfg.model.preset, cfg.model.path, cfg.model.prediction_type)
-    models.noise_scheduler = type(models.noise_scheduler).from_config(models.noise_scheduler.config)
-    unet, vae, text_encoder = models.unet, models.vae, models.text_encoder
-    add_lora(unet, cfg.lora)
-    text_encoder.requires_grad_(False)
-    text_trains = add_text_encoder_lora(text_encoder, cfg.lora) is not None
-    dtype = torch.bfloat16
-    bf16 = unet_weights_bf16(cfg.model.unet_dtype, cfg.optim.name, dtype, device)
-    unet.to(device, dtype=torch.bfloat16 if bf16 else None)
-    vae.to(device, dtype=dtype).requires_grad_(False).eval()
-    text_encoder.to(device, dtype=dtype).eval()
-    keep_adapters_fp32(text_encoder)
-    if cfg.model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    if cfg.model.channels_last:
-        unet.to(memory_format=torch.channels_last)
-    unet.train()
-    model: torch.nn.Module = CastInputs(unet, torch.bfloat16) if bf16 else unet
-    if text_trains:  # the encoder's adapters train too: it runs in every step, as in the trainer
-        model = TextConditioned(model, text_encoder.train())
-    params = [p for module in (unet, text_encoder) for p in module.parameters() if p.requires_grad]
-    optimizer = build_training_optimizer(params, cfg.optim, device, bf16)
-    ema_dtype = torch.bfloat16 if cfg.train.ema_dtype == "bf16" else torch.float32
-    ema = EMA(unet, cfg.train.ema_decay, dtype=ema_dtype) if cfg.train.ema_decay > 0 else None
-    generator = torch.Generator(device=device).manual_seed(0)
-    objective = DiffusionObjective(cfg, models, device, dtype, dtype, generator)
-    if bf16:
-        objective.autocast = contextlib.nullcontext
-    if cfg.model.offload_frozen and cfg.data.cache:
-        vae.to("cpu")
-        if not text_trains:
-            text_encoder.to("cpu")
+    models, unet_bf16, _, _ = load_models(cfg, d, dtype, log)
+    frozen_dtype = cast_frozen(models, dtype, device)
+    opt = build_optimization(cfg, d, models, dtype, unet_bf16, log)
+    objective = build_objective(cfg, models, device, dtype, frozen_dtype, opt, unet_bf16)
+    offload_frozen(cfg, d, models)
+    watch = NonFiniteWatch(device, 0, 1)
+    optimizer_step = OptimizerStep(
+        opt["optimizer"], opt["lr_scheduler"], opt["params"], cfg.train.max_grad_norm, opt["scaler"],
+        opt["ema"], watch, lambda: 1,  # the step number only labels a divergence, unchecked here
+    )  # fmt: skip
     gc.collect()
-    torch.cuda.empty_cache()
-    side = cfg.data.resolution // vae_scale_factor(vae)
-    latent = (unet.config.in_channels, side, side)
-    text = (models.tokenizer.model_max_length, text_encoder.config.hidden_size)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    side = cfg.data.resolution // vae_scale_factor(models.vae)
+    latent = (models.unet.config.in_channels, side, side)
+    text = (models.tokenizer.model_max_length, models.text_encoder.config.hidden_size)
 
     def step(batch: int) -> None:
-        raw = {
-            "latent_mean": torch.randn(batch, *latent, device=device, dtype=dtype),
-            "latent_std": torch.rand(batch, *latent, device=device, dtype=dtype),
-            "encoder_hidden_states": torch.randn(batch, *text, device=device, dtype=dtype),
+        raw = {  # as the latent cache holds them, in the frozen models' dtype
+            "latent_mean": torch.randn(batch, *latent, device=device, dtype=frozen_dtype),
+            "latent_std": torch.rand(batch, *latent, device=device, dtype=frozen_dtype),
+            "encoder_hidden_states": torch.randn(batch, *text, device=device, dtype=frozen_dtype),
             "caption": ["a photograph of a probe"] * batch,  # tokenized when the text encoder trains
         }
-        objective.forward_backward(model, objective.prepare(raw), 1.0)
-        if cfg.train.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm, foreach=True)
-        optimizer.step()
-        if ema is not None:
-            ema.update()
-        optimizer.zero_grad(set_to_none=True)
+        objective.forward_backward(opt["model"], objective.prepare(raw), 1.0)
+        optimizer_step()
 
-    step.optimizer = optimizer  # type: ignore[attr-defined]
+    step.optimizer = opt["optimizer"]  # type: ignore[attr-defined]
     return step, torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
