@@ -182,3 +182,48 @@ def test_a_skip_just_before_ddps_own_collectives_holds_the_rank_at_its_next_forw
     assert v["location"] == script_line("# FORWARD", script), v
     assert f"called at {script_line('# BROADCAST', script)}" in v["summary"], v
     assert "Received data size doesn't match" not in res.stderr
+
+
+UNEVEN_JOB = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(10, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # each rank reads its own shard, and rank 1's is shorter: 6 batches against 8
+    n = 64 if dist.get_rank() == 0 else 48
+    loader = DataLoader(TensorDataset(torch.randn(n, 10), torch.randn(n, 1)), batch_size=8)
+    for epoch in range(2):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()  # BACKWARD
+            optimizer.step()
+        dist.barrier()  # EPOCH END
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_uneven_inputs_are_named_as_such(tmp_path):
+    """Rank 1's data runs out first: it waits at the epoch's barrier while rank 0 waits in its
+    next step's gradient all-reduce. The verdict says which rank left the loop, and why that happens."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_JOB)
+    res = run_supervised(tmp_path, torchrun(2, str(script)))
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", 1), v
+    assert v["location"] == script_line("# EPOCH END", script), v
+    assert "Rank 0 is in a step's backward (DDP's gradient all-reduce) and rank 1 is not" in v["summary"], v
+    assert "uneven inputs" in v["summary"] and "join() context" in v["summary"], v
+    assert v["details"]["calls"]["0"]["ddp_bucket"] is True and "ddp_bucket" not in v["details"]["calls"]["1"]

@@ -136,6 +136,7 @@ class _Rec:
         "deferred",
         "exact_end",
         "peer",
+        "bucket",
     )
     op: str
     key: str
@@ -150,6 +151,7 @@ class _Rec:
     deferred: bool
     exact_end: bool  # an async call whose end its future reported (CPU), not the poll
     peer: int | None
+    bucket: bool  # a DDP gradient bucket's all-reduce (the diagnosis tells a step's from others)
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -164,6 +166,8 @@ class _Rec:
         }
         if self.peer is not None:
             d["peer"] = self.peer
+        if self.bucket:
+            d["ddp_bucket"] = True
         if self.t1 is not None:
             d["t"] = self.t1
             d["duration"] = round(self.t1 - self.t0, 6)
@@ -341,6 +345,7 @@ class Tracer:
         rec.t1 = None
         rec.deferred = False
         rec.exact_end = False
+        rec.bucket = getattr(_tls, "gradient_bucket", False)
         rec.t0 = time.time()
         st.current = rec
         if hold:
@@ -363,7 +368,7 @@ class Tracer:
         rec.op, rec.key, rec.seq, rec.peer = "all_reduce", st.name, seq, None
         rec.shapes, rec.dtypes = [buffer.shape], [buffer.dtype]
         rec.file, rec.line = caller
-        rec.handle, rec.t1, rec.deferred, rec.exact_end = None, None, True, False
+        rec.handle, rec.t1, rec.deferred, rec.exact_end, rec.bucket = None, None, True, False, True
         rec.t0 = time.time()
         _tls.busy = True
         try:

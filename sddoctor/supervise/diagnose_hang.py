@@ -610,6 +610,9 @@ def _mismatch_verdict(
             "sites": {str(r): {"op": op, "caller": caller} for r, (op, caller) in parted.sites.items()},
             "odd_ranks": sorted(parted.odd),
         }
+    uneven = _uneven_inputs_text(calls, involved)
+    if uneven:
+        summary += f". {uneven}"
     details.update(calls={str(r): calls[r].to_dict() for r in involved}, out_of_step_ranks=out_of_step)
     fault = fault_of(state.ranks[culprit], ("shape", "skip")) if culprit in state.ranks else None
     if fault:
@@ -618,6 +621,25 @@ def _mismatch_verdict(
         )
         location = location or fault.get("caller")
     return Verdict("hang.mismatch", "error", summary, culprit, location, details, evidence)
+
+
+def _uneven_inputs_text(calls: dict[int, Collective], involved: list[int]) -> str | None:
+    """Some ranks wait in a step's gradient all-reduce while the others called something else:
+    the classic end of uneven inputs, where a rank whose data ran out left the loop (for a barrier,
+    an evaluation, the next epoch) and its peers are still training."""
+    in_backward = [r for r in involved if calls[r].ddp_bucket]
+    elsewhere = [r for r in involved if not calls[r].ddp_bucket]
+    if not in_backward or not elsewhere:
+        return None
+    one = len(elsewhere) == 1
+    return (
+        f"Rank {join_ranks(in_backward)} {'is' if len(in_backward) == 1 else 'are'} in a step's backward "
+        f"(DDP's gradient all-reduce) and rank {join_ranks(elsewhere)} {'is' if one else 'are'} not: "
+        f"if rank {join_ranks(elsewhere)} left {'its' if one else 'their'} training loop, the ranks ran "
+        "different numbers of iterations (uneven inputs: one rank's data gave fewer batches); give every "
+        "rank the same number of batches (DistributedSampler, drop_last=True) or train under DDP's "
+        "join() context"
+    )
 
 
 def _parted_text(parted: PartedSites) -> str:

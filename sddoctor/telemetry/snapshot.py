@@ -58,6 +58,8 @@ class Collective:
     is_async: bool = False
     #: the other rank of a point-to-point call (send's dst, recv's src)
     peer: int | None = None
+    #: the all-reduce of a DDP gradient bucket (inside a backward)
+    ddp_bucket: bool = False
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -74,6 +76,7 @@ class Collective:
             duration=_num(record.get("duration")),
             is_async=record.get("async") is True,
             peer=_int(record.get("peer")),
+            ddp_bucket=record.get("ddp_bucket") is True,
             record=record,
         )
 
