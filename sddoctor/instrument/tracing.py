@@ -866,6 +866,21 @@ def _caller_frame(frame: Any) -> Any:
     return fallback
 
 
+#: DDP's broadcast of its module buffers (BatchNorm's running statistics) from rank 0 before each
+#: training forward, which DDP issues from C++ (`_broadcast_coalesced`)
+BUFFER_BROADCAST = OpSpec("broadcast", "tensors")
+
+
+def call_traced(fn: Callable[[Any, Any], Any], spec: OpSpec, group: Any, payload: Any) -> Any:
+    """`fn(group, payload)`, a collective torch issues without going through torch.distributed's
+    functions, traced as a call of `spec` on `group` (numbered, timed and faulted like the others).
+    Without it a rank that waits there for a late peer looks as if it were in no collective."""
+    tracer = _tracer
+    if tracer is None or getattr(_tls, "busy", False) or tracer._coalescing:
+        return fn(group, payload)
+    return tracer.call(fn, spec, 0, -1, 1, (group, payload), {})
+
+
 def bucket_all_reduce(buffer: Any, group: Any, caller: tuple[str, int] | None) -> Any:
     """An async all-reduce of a DDP gradient bucket, traced: the lean path when it can be taken
     (a tracer, no fault armed, `caller` known), else torch.distributed's (traced) all_reduce."""
