@@ -3,7 +3,8 @@ one is made for the second (as a script does that changes backend or re-initiali
 pre-training and a fine-tuning phase).
 
 torchrun --nproc-per-node 2 two_phases.py
-Environment: STEPS (6 per phase), BATCH (8).
+Environment: STEPS (6 per phase), BATCH (8), PHASE2_STORE (./phase2.store: a file the
+second group meets through; it must not exist before the run).
 """
 
 import os
@@ -32,7 +33,11 @@ def main():
     dist.init_process_group("gloo")
     train(model, steps, batch, "pretrain")
     dist.destroy_process_group()
-    dist.init_process_group("gloo")  # PHASE 2
+    # torchrun's store still holds the first group's keys, under the names the new group would
+    # get again: the second group meets through a file of its own
+    store = os.path.abspath(os.environ.get("PHASE2_STORE", "phase2.store"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)  # PHASE 2
     train(model, steps, batch, "finetune")
     dist.destroy_process_group()
 
