@@ -1,0 +1,74 @@
+"""DDP programs of shapes the other client suites do not cover, run unchanged under `sddoctor run`
+(2 ranks, CPU, gloo): a torchvision-style classifier whose BatchNorm buffers DDP broadcasts before
+every forward, and a script that trains in two phases, each with a process group of its own.
+
+The two runs start side by side in one module-scoped fixture; each test reads its report."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from client_fixtures import CLIENTS, sddoctor_tracebacks
+from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TORCHVISION = CLIENTS / "torchvision_style.py"
+TWO_PHASES = CLIENTS / "two_phases.py"
+HANG = ("--hang-timeout", "5", "--on-hang", "kill")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
+    root = tmp_path_factory.mktemp("ddp-variants")
+    # rank 1 stops before its third forward (as a stuck data loader would): rank 0 goes on into
+    # that forward, where DDP broadcasts the BatchNorm buffers from C++, and waits there
+    cases: dict[str, tuple[Path, str | None]] = {
+        "late-forward": (TORCHVISION, "sleep:rank=1,seconds=60,step=3"),
+        "two-phases": (TWO_PHASES, "kill:rank=1,step=9"),
+    }
+
+    def one(name: str) -> tuple[str, Supervised]:
+        script, fault = cases[name]
+        where = root / name
+        where.mkdir()
+        env = {"OMP_NUM_THREADS": "1", "CKPT_DIR": str(where)}
+        return name, run_supervised(where, torchrun(2, str(script)), options=HANG, fault=fault, env=env, timeout=150)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, cases))
+
+
+def _no_sddoctor_traceback(res: Supervised) -> None:
+    log = res.run_dir / "stderr.log"
+    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
+    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
+
+
+def test_a_rank_late_to_a_forward_with_buffers_is_named(runs: dict[str, Any]) -> None:
+    """The peers wait in DDP's buffer broadcast, which is traced: not 'no rank is in a collective'."""
+    res = runs["late-forward"]
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["details"]["op"] == "broadcast" and v["details"]["waiting_ranks"] == [0], v
+    assert v["location"] == script_line("# FORWARD", TORCHVISION), v
+    # two steps of 6 buffer broadcasts and gradient all-reduces came before
+    assert v["details"]["seq"] == 5, v
+    _no_sddoctor_traceback(res)
+
+
+def test_the_second_phases_model_has_its_steps_counted(runs: dict[str, Any]) -> None:
+    """After destroy_process_group and a new group, the new DDP model's steps are numbered on, so
+    a fault at step 9 (the third step of phase 2) fires there."""
+    res = runs["two-phases"]
+    assert res.returncode in (1, 124), res.stderr[-3000:]
+    (v,) = res.verdicts("crash")
+    assert v["culprit_rank"] == 1 and v["location"] == script_line("# FORWARD", TWO_PHASES), v
+    steps = [s["step"] for s in res.events(0, "step")]
+    assert steps == list(range(1, 9)), steps
+    assert "never fired" not in res.stderr
+    _no_sddoctor_traceback(res)
