@@ -36,7 +36,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
         where = root / name
         where.mkdir()
         env = {"OMP_NUM_THREADS": "1", "CKPT_DIR": str(where)}
-        return name, run_supervised(where, torchrun(2, str(script)), options=HANG, fault=fault, env=env, timeout=150)
+        return name, run_supervised(
+            where, torchrun(2, str(script)), options=HANG, fault=fault, env=env, timeout=150
+        )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(pool.map(one, cases))

@@ -385,6 +385,7 @@ class Tracer:
         (gloo) when the call completes: the poll thread only sees it up to a second late, and the
         durations, waits and time in collectives would be that late too. On CUDA the future completes
         when the work is enqueued, not done, so CUDA calls stay polled."""
+
         def done(_fut: Any) -> None:
             try:
                 if self._finish_async(rec):

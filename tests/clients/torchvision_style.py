@@ -75,7 +75,9 @@ def main():
         train_one_epoch(model, criterion, optimizer, train_loader, epoch)
         acc = evaluate(model, test_loader)
         if rank == 0:
-            torch.save({"model": model.module.state_dict(), "epoch": epoch}, os.path.join(ckpt_dir, "checkpoint.pth"))
+            torch.save(
+                {"model": model.module.state_dict(), "epoch": epoch}, os.path.join(ckpt_dir, "checkpoint.pth")
+            )
             print(f"epoch {epoch} acc {acc:.3f} {time.time() - start:.2f}s", flush=True)
         dist.barrier()  # BARRIER
     dist.destroy_process_group()
