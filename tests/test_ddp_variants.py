@@ -74,3 +74,25 @@ def test_the_second_phases_model_has_its_steps_counted(runs: dict[str, Any]) -> 
     assert steps == list(range(1, 9)), steps
     assert "never fired" not in res.stderr
     _no_sddoctor_traceback(res)
+
+
+def test_a_straggler_behind_its_data_parallel_pair_is_named(tmp_path: Path) -> None:
+    """4 ranks as 2 pipeline stages x 2 replicas: rank 2 is slow before each forward. Its replica
+    partner waits for it in their group's gradient all-reduce and so reaches the world's collectives
+    as late as rank 2 does; the subgroup's collectives tell the two apart."""
+    script = CLIENTS / "dp_pp_groups.py"
+    res = run_supervised(
+        tmp_path,
+        torchrun(4, str(script)),
+        options=("--hang-timeout", "30"),
+        fault="sleep:rank=2,seconds=0.3",
+        env={"OMP_NUM_THREADS": "1", "STEPS": "50"},
+        timeout=150,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    (v,) = res.report["verdicts"]
+    assert (v["kind"], v["culprit_rank"]) == ("straggler", 2), v
+    assert v["location"] == script_line("# FORWARD", script), v
+    for rank in range(4):
+        assert [s["step"] for s in res.events(rank, "step")] == list(range(1, 51))
+    _no_sddoctor_traceback(res)
