@@ -22,7 +22,7 @@ def main():
         dist.broadcast(p.data, src=0)  # BROADCAST
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = int(os.environ.get("BATCH", "8"))
-    for step in range(1, int(os.environ.get("STEPS", "12")) + 1):
+    for _step in range(1, int(os.environ.get("STEPS", "12")) + 1):
         x = torch.randn(batch, 8)
         tokens = torch.arange(world * 2, dtype=torch.float32) + rank
         routed = torch.empty_like(tokens)

@@ -28,7 +28,7 @@ def main():
     model = DDP(nn.Linear(8, 8), process_group=dp)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = int(os.environ.get("BATCH", "4"))
-    for step in range(1, int(os.environ.get("STEPS", "12")) + 1):
+    for _step in range(1, int(os.environ.get("STEPS", "12")) + 1):
         x = torch.randn(batch, 8)
         if stage == 1:
             dist.broadcast(x, src=rank - 2, group=pp)  # RECV ACTIVATIONS

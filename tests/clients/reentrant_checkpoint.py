@@ -32,7 +32,7 @@ def main():
     model = DDP(Net(), static_graph=os.environ.get("STATIC", "1") == "1")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     batch = int(os.environ.get("BATCH", "8"))
-    for step in range(1, int(os.environ.get("STEPS", "12")) + 1):
+    for _step in range(1, int(os.environ.get("STEPS", "12")) + 1):
         x = torch.randn(batch, 16, requires_grad=True)
         loss = model(x).pow(2).mean()  # FORWARD
         optimizer.zero_grad()

@@ -30,7 +30,7 @@ def make_model():
 
 def train_one_epoch(model, criterion, optimizer, loader, epoch):
     model.train()
-    for i, (image, target) in enumerate(loader):
+    for image, target in loader:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             output = model(image)  # FORWARD
             loss = criterion(output, target)

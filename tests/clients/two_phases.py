@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def train(model, steps, batch, phase):
     ddp = DDP(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    for step in range(1, steps + 1):
+    for _step in range(1, steps + 1):
         loss = ddp(torch.randn(batch, 10)).pow(2).mean()  # FORWARD
         optimizer.zero_grad()
         loss.backward()  # BACKWARD
