@@ -96,3 +96,29 @@ def test_a_straggler_behind_its_data_parallel_pair_is_named(tmp_path: Path) -> N
     for rank in range(4):
         assert [s["step"] for s in res.events(rank, "step")] == list(range(1, 51))
     _no_sddoctor_traceback(res)
+
+
+def test_a_skipped_async_all_reduce_is_named_before_the_later_blocking_call(tmp_path: Path) -> None:
+    """Rank 0 issues its gradient all-reduces with async_op=True and then blocks in an all_gather;
+    rank 1 never issued the first of the async ones, which the verdict names too."""
+    script = CLIENTS / "async_collectives.py"
+    # 4 broadcasts, then per step an all_to_all, 4 async all-reduces and an all_gather: #18 is the
+    # first async all-reduce of step 3
+    res = run_supervised(
+        tmp_path,
+        torchrun(2, str(script)),
+        options=HANG,
+        fault="skip:rank=1,seq=18",
+        env={"OMP_NUM_THREADS": "1", "STEPS": "30"},
+    )
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# ASYNC", script), v
+    assert v["details"]["first_missed"] == {
+        "seq": 18,
+        "op": "all_reduce",
+        "caller": script_line("# ASYNC", script),
+    }, v
+    assert f"all_reduce #18 on pg 0 (called at {script_line('# ASYNC', script)})" in v["summary"], v
+    _no_sddoctor_traceback(res)
