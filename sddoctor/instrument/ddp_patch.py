@@ -123,8 +123,35 @@ def install(_module: Any = None) -> bool:
         method = getattr(cls, name, None)
         if method is not None and getattr(method, "__sddoctor_original__", None) is None:
             setattr(cls, name, _marking_registration(method))
+    broadcast = getattr(cls, "_distributed_broadcast_coalesced", None)
+    if broadcast is not None and getattr(broadcast, "__sddoctor_original__", None) is None:
+        cls._distributed_broadcast_coalesced = _traced_buffer_broadcast(broadcast)
     add_post_construct(install_comm_hook)
     return True
+
+
+def _traced_buffer_broadcast(method: Callable[..., Any]) -> Callable[..., Any]:
+    """DDP's method that broadcasts the module buffers before each training forward, traced as a
+    broadcast on the model's process group: a rank late to its forward (data loading, a straggler,
+    a hang before the forward) keeps the others waiting in that broadcast, which torch issues from
+    C++ where the wrappers of torch.distributed do not see it."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, tensors: Any, buffer_size: Any, authoritative_rank: int = 0) -> Any:
+        def issue(_group: Any, payload: Any) -> Any:
+            return method(self, payload, buffer_size, authoritative_rank)
+
+        try:
+            from sddoctor.instrument import tracing
+
+            group = self.process_group
+        except Exception as exc:  # noqa: BLE001 - the broadcast runs untraced then
+            internal_error("ddp buffer broadcast", exc)
+            return issue(None, tensors)
+        return tracing.call_traced(issue, tracing.BUFFER_BROADCAST, group, tensors)
+
+    wrapper.__sddoctor_original__ = method  # type: ignore[attr-defined]
+    return wrapper
 
 
 def uninstall() -> None:
@@ -135,7 +162,7 @@ def uninstall() -> None:
     original = getattr(cls.__init__, "__sddoctor_original__", None)
     if original is not None:
         cls.__init__ = original
-    for name in _REGISTER_METHODS:
+    for name in (*_REGISTER_METHODS, "_distributed_broadcast_coalesced"):
         original = getattr(getattr(cls, name, None), "__sddoctor_original__", None)
         if original is not None:
             setattr(cls, name, original)

@@ -130,8 +130,8 @@ class StepInference:
             model = model_ref()
             if model is None or not _trains(model) or not torch.is_grad_enabled():
                 return
-            if self._primary is None:
-                self._primary = model_ref  # the first DDP model that trains is the one counted
+            if self._primary is None or (self._primary is not model_ref and self._retired()):
+                self._count(model_ref)  # the first DDP model that trains is the one counted
             elif self._primary is not model_ref:
                 return
             hooked = self._watch_backward(model, model_ref)
@@ -155,6 +155,30 @@ class StepInference:
             if is_injected(exc):
                 raise
             internal_error("step inference (forward)", exc)
+
+    def _retired(self) -> bool:
+        """Whether the counted model can train no more: it is gone, or its process group was
+        destroyed (a program that trains in phases, each with a process group and a DDP model of
+        its own: the next phase's model is counted then, its steps numbered on)."""
+        model = self._primary() if self._primary is not None else None
+        if model is None:
+            return True
+        from torch.distributed import distributed_c10d as c10d
+
+        live = getattr(getattr(c10d, "_world", None), "pg_map", None)
+        group = getattr(model, "process_group", None)
+        return live is not None and group is not None and group not in live
+
+    def _count(self, model_ref: weakref.ReferenceType[Any]) -> None:
+        """Count `model_ref`'s steps from now on; what was learnt of a previous model is dropped."""
+        if self._primary is not None:
+            self._last_end = None  # the first step of the new model starts at its forward
+            self._ended = True
+            self._sync_pending = self._awaiting_owner = False
+            self._samples, self._micro_batches, self._samples_known = 0, 0, True
+        self._primary = model_ref
+        self._owners, self._others = weakref.WeakSet(), weakref.WeakSet()
+        self._primary_params = set()
 
     def _watch_backward(self, model: Any, model_ref: weakref.ReferenceType[Any]) -> bool:
         """Have sddoctor's comm hook, or the watch on the user's own, tell when a synchronised

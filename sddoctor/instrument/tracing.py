@@ -390,6 +390,7 @@ class Tracer:
         (gloo) when the call completes: the poll thread only sees it up to a second late, and the
         durations, waits and time in collectives would be that late too. On CUDA the future completes
         when the work is enqueued, not done, so CUDA calls stay polled."""
+
         def done(_fut: Any) -> None:
             try:
                 if self._finish_async(rec):
@@ -528,8 +529,8 @@ class Tracer:
                 self._emit_fault(fields)
                 if getattr(_tls, "gradient_bucket", False):
                     # DDP's reducer issues collectives of its own that are not traced (the map of
-                    # used parameters with find_unused_parameters, the buffer broadcast of the next
-                    # forward): held at the next traced call, one of those would meet the peers'
+                    # used parameters with find_unused_parameters, the bucket rebuild's broadcast at
+                    # the next forward): held at the next traced call, one of those would meet the peers'
                     # pending bucket, which gloo aborts on and NCCL mixes up. It stops here instead.
                     self._hold(caller)
                 self._hold_at_ddps_own_collectives()
@@ -558,8 +559,8 @@ class Tracer:
         """After a skip outside a gradient bucket, also hold the rank before DDP's untraced calls.
 
         Held only at the next traced collective, the rank would first run DDP's own collectives
-        that sddoctor does not see: the buffer broadcast and the bucket rebuild's broadcast at the
-        next forward, the used-parameter map's all-reduce at the first gradient of the next
+        that sddoctor does not see: the bucket rebuild's broadcast at the next forward (after the
+        first backward), the used-parameter map's all-reduce at the first gradient of the next
         backward (find_unused_parameters). One of those would meet the peers' pending call, which
         gloo aborts on ("Received data size doesn't match") and NCCL mixes up. So the rank stops
         at the next forward of any DDP model, or at the first gradient of its parameters, when
@@ -895,6 +896,21 @@ def _caller_frame(frame: Any) -> Any:
             fallback = frame
         frame = frame.f_back
     return fallback
+
+
+#: DDP's broadcast of its module buffers (BatchNorm's running statistics) from rank 0 before each
+#: training forward, which DDP issues from C++ (`_broadcast_coalesced`)
+BUFFER_BROADCAST = OpSpec("broadcast", "tensors")
+
+
+def call_traced(fn: Callable[[Any, Any], Any], spec: OpSpec, group: Any, payload: Any) -> Any:
+    """`fn(group, payload)`, a collective torch issues without going through torch.distributed's
+    functions, traced as a call of `spec` on `group` (numbered, timed and faulted like the others).
+    Without it a rank that waits there for a late peer looks as if it were in no collective."""
+    tracer = _tracer
+    if tracer is None or getattr(_tls, "busy", False) or tracer._coalescing:
+        return fn(group, payload)
+    return tracer.call(fn, spec, 0, -1, 1, (group, payload), {})
 
 
 def bucket_all_reduce(buffer: Any, group: Any, caller: tuple[str, int] | None) -> Any:

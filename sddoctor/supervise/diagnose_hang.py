@@ -451,11 +451,30 @@ def _missing_rank_hang(
         f"Rank{'s' if len(waiters) > 1 else ''} {join_ranks(sorted(waiters))} "
         f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
     )
+    issued = rank.snapshot.issued_on(wait.pg) if rank else None
+    first = _first_missed(state, wait, issued)
+    if first is not None:
+        holder, call = first
+        summary += f"; the first call it never issued is {_call_text(call)}, asynchronous and in flight on rank {holder}"
+        details["first_missed"] = {"seq": call.seq, "op": call.op, "caller": call.caller}
     if wait.members != _expected_ranks(state):
         details["group_members"] = wait.members
-    issued = rank.snapshot.issued_on(wait.pg) if rank else None
     details.update(missing_ranks=culprits, culprit_issued=issued)
     return Verdict(kind, "error", summary, culprit_rank, location, details, evidence)
+
+
+def _first_missed(state: RunState, wait: _GroupWait, issued: int | None) -> tuple[int, Collective] | None:
+    """The waiters' asynchronous call (`async_op=True`, waited later) that the missing rank never
+    issued, when it comes before the call they block in: that one, not the later blocking call, is
+    where the ranks parted."""
+    if issued is None or issued + 1 >= wait.seq:
+        return None
+    for r in wait.waiters:
+        rank = state.ranks.get(r)
+        for call in rank.snapshot.inflight if rank is not None else ():
+            if call.pg == wait.pg and call.seq == issued + 1:
+                return r, call
+    return None
 
 
 def _worker_frame(rank: RankState) -> dict[str, Any] | None:

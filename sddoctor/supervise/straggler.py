@@ -131,7 +131,7 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
     margins = sum(m for _, m in lasts)
     shares: dict[int, dict[str, float]] = {}
     for rank in live:
-        intervals = [(t[rank.rank], max(t.values())) for t in rounds]
+        intervals = [(t[rank.rank], max(t.values())) for t in rounds if rank.rank in t]
         # Weighted by how late: a rank last by 1 s at each step and one last by 2 ms at the
         # other collectives of the step are not equally the one everybody waits for.
         last = sum(m for r, m in lasts if r == rank.rank)
@@ -171,13 +171,19 @@ def _judged_ranks(state: RunState) -> list[RankState]:
 
 
 def _common_collectives(live: list[RankState], since: float) -> list[dict[int, float]]:
-    """Per collective seen on every live rank since `since`: each rank's arrival (enqueue) time."""
-    pgs = set.intersection(*(set(r.arrivals) for r in live))
+    """Per collective since `since`, each arrival (enqueue) time of the live ranks that issued it:
+    a subgroup's collectives count among its members. A rank that waits for a slow peer in a
+    subgroup (its data-parallel pair) then reaches the world's collectives as late as that peer;
+    only the subgroup's collective shows which of the two the others waited for."""
     rounds = []
-    for pg in pgs:
-        seqs = set.intersection(*(set(r.arrivals[pg]) for r in live))
-        for seq in seqs:
-            times = {r.rank: r.arrivals[pg][seq].enqueue for r in live}
+    for pg in set().union(*(r.arrivals for r in live)):
+        if pg.endswith(":p2p"):
+            continue  # numbered per rank over all its peers: equal numbers need not be one call
+        members = [r for r in live if pg in r.arrivals]
+        if len(members) < 2:
+            continue
+        for seq in set.intersection(*(set(r.arrivals[pg]) for r in members)):
+            times = {r.rank: r.arrivals[pg][seq].enqueue for r in members}
             if min(times.values()) >= since:
                 rounds.append(times)
     return rounds
