@@ -166,14 +166,15 @@ def test_a_skipped_gradient_all_reduce_beside_ddps_own_collectives_is_a_missing_
 
 
 def test_a_skip_just_before_ddps_own_collectives_holds_the_rank_at_its_next_forward(tmp_path):
-    """Skipped: a broadcast after the step. Held only at the next traced call, the rank would first
-    run the next forward's buffer broadcast (untraced), which meets the peer's pending broadcast:
+    """Skipped: a broadcast after the first step (#3, after DDP's buffer broadcast #1 and the
+    gradient bucket #2). Held only at the next traced call, the rank would first run the next
+    forward's bucket rebuild, whose broadcast is not traced and meets the peer's pending broadcast:
     gloo aborts both ranks on the size ("hang.mismatch" of the wrong collective). It stops at the
     DDP model's forward instead."""
     script = tmp_path / "bn.py"
     script.write_text(BATCHNORM_JOB)
     res = run_supervised(
-        tmp_path, torchrun(2, str(script)), env={"UNUSED": "0", "BROADCAST": "1"}, fault="skip:rank=1,seq=2"
+        tmp_path, torchrun(2, str(script)), env={"UNUSED": "0", "BROADCAST": "1"}, fault="skip:rank=1,seq=3"
     )
     assert res.returncode == 124, res.stderr[-3000:]
     (v,) = res.verdicts("hang.")
