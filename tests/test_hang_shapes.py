@@ -225,6 +225,9 @@ def test_uneven_inputs_are_named_as_such(tmp_path):
     (v,) = res.verdicts("hang.")
     assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", 1), v
     assert v["location"] == script_line("# EPOCH END", script), v
-    assert "Rank 0 is in a step's backward (DDP's gradient all-reduce) and rank 1 is not" in v["summary"], v
+    assert (
+        "Rank 0 is in a training step (DDP's gradient all-reduce in the backward) and rank 1 is not"
+        in v["summary"]
+    ), v
     assert "uneven inputs" in v["summary"] and "join() context" in v["summary"], v
-    assert v["details"]["calls"]["0"]["ddp_bucket"] is True and "ddp_bucket" not in v["details"]["calls"]["1"]
+    assert v["details"]["calls"]["0"]["ddp"] == "bucket" and "ddp" not in v["details"]["calls"]["1"], v

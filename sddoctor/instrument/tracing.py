@@ -136,7 +136,7 @@ class _Rec:
         "deferred",
         "exact_end",
         "peer",
-        "bucket",
+        "ddp",
     )
     op: str
     key: str
@@ -151,7 +151,9 @@ class _Rec:
     deferred: bool
     exact_end: bool  # an async call whose end its future reported (CPU), not the poll
     peer: int | None
-    bucket: bool  # a DDP gradient bucket's all-reduce (the diagnosis tells a step's from others)
+    #: issued by DDP inside a training step: "bucket" (a gradient bucket's all-reduce) or
+    #: "buffers" (the buffer broadcast before a forward); the diagnosis tells a step's calls apart
+    ddp: str | None
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -166,8 +168,8 @@ class _Rec:
         }
         if self.peer is not None:
             d["peer"] = self.peer
-        if self.bucket:
-            d["ddp_bucket"] = True
+        if self.ddp is not None:
+            d["ddp"] = self.ddp
         if self.t1 is not None:
             d["t"] = self.t1
             d["duration"] = round(self.t1 - self.t0, 6)
@@ -345,7 +347,11 @@ class Tracer:
         rec.t1 = None
         rec.deferred = False
         rec.exact_end = False
-        rec.bucket = getattr(_tls, "gradient_bucket", False)
+        rec.ddp = (
+            "bucket"
+            if getattr(_tls, "gradient_bucket", False)
+            else ("buffers" if spec is BUFFER_BROADCAST else None)
+        )
         rec.t0 = time.time()
         st.current = rec
         if hold:
@@ -368,7 +374,7 @@ class Tracer:
         rec.op, rec.key, rec.seq, rec.peer = "all_reduce", st.name, seq, None
         rec.shapes, rec.dtypes = [buffer.shape], [buffer.dtype]
         rec.file, rec.line = caller
-        rec.handle, rec.t1, rec.deferred, rec.exact_end, rec.bucket = None, None, True, False, True
+        rec.handle, rec.t1, rec.deferred, rec.exact_end, rec.ddp = None, None, True, False, "bucket"
         rec.t0 = time.time()
         _tls.busy = True
         try:

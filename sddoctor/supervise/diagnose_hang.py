@@ -643,22 +643,29 @@ def _mismatch_verdict(
 
 
 def _uneven_inputs_text(calls: dict[int, Collective], involved: list[int]) -> str | None:
-    """Some ranks wait in a step's gradient all-reduce while the others called something else:
-    the classic end of uneven inputs, where a rank whose data ran out left the loop (for a barrier,
-    an evaluation, the next epoch) and its peers are still training."""
-    in_backward = [r for r in involved if calls[r].ddp_bucket]
-    elsewhere = [r for r in involved if not calls[r].ddp_bucket]
-    if not in_backward or not elsewhere:
+    """Some ranks wait in a collective DDP issues inside a training step while the others called
+    something else: the classic end of uneven inputs, where a rank whose data ran out left the loop
+    (for a barrier, an evaluation, the next epoch) and its peers are still training."""
+    in_step = [r for r in involved if calls[r].ddp in _DDP_STEP_CALLS]
+    elsewhere = [r for r in involved if calls[r].ddp not in _DDP_STEP_CALLS]
+    if not in_step or not elsewhere:
         return None
+    what = " / ".join(sorted({_DDP_STEP_CALLS[str(calls[r].ddp)] for r in in_step}))
     one = len(elsewhere) == 1
     return (
-        f"Rank {join_ranks(in_backward)} {'is' if len(in_backward) == 1 else 'are'} in a step's backward "
-        f"(DDP's gradient all-reduce) and rank {join_ranks(elsewhere)} {'is' if one else 'are'} not: "
-        f"if rank {join_ranks(elsewhere)} left {'its' if one else 'their'} training loop, the ranks ran "
-        "different numbers of iterations (uneven inputs: one rank's data gave fewer batches); give every "
-        "rank the same number of batches (DistributedSampler, drop_last=True) or train under DDP's "
-        "join() context"
+        f"Rank {join_ranks(in_step)} {'is' if len(in_step) == 1 else 'are'} in a training step ({what}) "
+        f"and rank {join_ranks(elsewhere)} {'is' if one else 'are'} not: if rank {join_ranks(elsewhere)} "
+        f"left {'its' if one else 'their'} training loop, the ranks ran different numbers of iterations "
+        "(uneven inputs: one rank's data gave fewer batches); give every rank the same number of "
+        "batches (DistributedSampler, drop_last=True) or train under DDP's join() context"
     )
+
+
+#: the `ddp` mark of a traced call -> what it is, in a verdict's words
+_DDP_STEP_CALLS = {
+    "bucket": "DDP's gradient all-reduce in the backward",
+    "buffers": "DDP's buffer broadcast before the forward",
+}
 
 
 def _parted_text(parted: PartedSites) -> str:

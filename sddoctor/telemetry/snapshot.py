@@ -58,8 +58,9 @@ class Collective:
     is_async: bool = False
     #: the other rank of a point-to-point call (send's dst, recv's src)
     peer: int | None = None
-    #: the all-reduce of a DDP gradient bucket (inside a backward)
-    ddp_bucket: bool = False
+    #: issued by DDP inside a training step: "bucket" (a gradient bucket's all-reduce, in the
+    #: backward) or "buffers" (the buffer broadcast before the forward); None for any other call
+    ddp: str | None = None
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -76,7 +77,7 @@ class Collective:
             duration=_num(record.get("duration")),
             is_async=record.get("async") is True,
             peer=_int(record.get("peer")),
-            ddp_bucket=record.get("ddp_bucket") is True,
+            ddp=_str(record.get("ddp")),
             record=record,
         )
 
