@@ -155,6 +155,12 @@ class _Rec:
     #: "buffers" (the buffer broadcast before a forward); the diagnosis tells a step's calls apart
     ddp: str | None
 
+    def __init__(self) -> None:
+        # optional fields default here so every construction site (and a hand-built record)
+        # yields a complete record; the call sites fill in the rest
+        self.handle, self.t1, self.peer, self.ddp = None, None, None, None
+        self.deferred, self.exact_end = False, False
+
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
             "pg": self.key,
