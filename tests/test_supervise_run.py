@@ -111,6 +111,18 @@ def test_sleeping_rank_is_a_straggler(tmp_path):
     assert [x for x in res.report["verdicts"] if x["kind"] != "straggler"] == []
 
 
+def test_a_rank_asleep_past_the_hang_timeout_is_named_with_its_sleep(tmp_path):
+    # a sleep longer than --hang-timeout is a hang, not a straggler: the sleeper is the rank the
+    # others wait for, and the verdict says it sleeps in the fault rather than just naming its line
+    res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), fault="sleep:rank=1,seconds=600,seq=6", env={"STEPS": "50"})
+    assert res.returncode == 124, res.stderr
+    (v,) = res.verdicts("hang.")
+    assert v["kind"] == "hang.missing_rank" and v["culprit_rank"] == 1
+    assert v["location"] == COLLECTIVE
+    assert "asleep in the injected fault 'sleep:rank=1,seconds=600,seq=6'" in v["summary"]
+    assert any("sleep:rank=1" in e for e in v["evidence"])
+
+
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate is not installed")
 def test_accelerate_launch(tmp_path):
     job = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]

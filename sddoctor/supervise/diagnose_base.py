@@ -80,6 +80,44 @@ def fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
     return None
 
 
+#: sddoctor's own functions that run an injected `sleep` fault (tracing: at a collective; the
+#: session: before a step); a rank's innermost Python frame in one of them is asleep in the fault
+_FAULT_SLEEPERS = ("instrument/tracing.py", "_apply_faults"), ("instrument/api.py", "_maybe_fire")
+
+
+def sleeping_fault(rank: RankState, now: float) -> dict[str, Any] | None:
+    """The injected `sleep` fault this rank is still asleep in, if it is: its stack's innermost
+    frame is sddoctor's fault code, or (no stack) the first firing's sleep has not run out yet.
+    A rank asleep in a fault is where the job's time goes, whatever line its stack names."""
+    fault = fault_of(rank, ("sleep",))
+    if fault is None:
+        return None
+    frames = (rank.stack or {}).get("frames") or []
+    if frames:
+        innermost = str(frames[0])
+        path, _, function = innermost.rpartition(" in ")
+        file = path.replace("\\", "/").rsplit(":", 1)[0]
+        function = function.rsplit(".", 1)[-1]  # py-spy may qualify it: Tracer._apply_faults
+        asleep = any(file.endswith(suffix) and function == name for suffix, name in _FAULT_SLEEPERS)
+        return fault if asleep else None
+    seconds = _sleep_seconds(str(fault.get("fault", "")))
+    fired = fault.get("t")
+    if seconds is None or not isinstance(fired, (int, float)):
+        return None
+    return fault if now < fired + seconds else None
+
+
+def _sleep_seconds(spec: str) -> float | None:
+    for item in spec.split(":", 1)[-1].split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "seconds":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
 def where_is(rank: RankState) -> tuple[str | None, str]:
     """Where a rank is now (file:line or None) and a phrase saying how we know."""
     if rank.stack and rank.stack.get("top_user_frame"):

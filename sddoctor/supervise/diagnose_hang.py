@@ -29,6 +29,7 @@ from sddoctor.supervise.diagnose_base import (
     join_ranks,
     rank_exit,
     roots_of,
+    sleeping_fault,
     where_is,
 )
 from sddoctor.supervise.state import RankState, RunState, Verdict
@@ -423,7 +424,10 @@ def _missing_rank_hang(
     elsewhere = [r for r in culprits if r in calls and not is_p2p(calls[r])]
     skipped = [r for r in elsewhere if _departure(state, r, calls) is not None]
     free = [r for r in culprits if r not in elsewhere]
-    culprit_rank = _pick_culprit(state, skipped or free or culprits, ("skip",))
+    suspects = skipped or free or culprits
+    sleepers = [r for r in suspects if r in state.ranks and sleeping_fault(state.ranks[r], state.now)]
+    skippers = [r for r in suspects if r in state.ranks and fault_of(state.ranks[r], ("skip",))]
+    culprit_rank = _pick_culprit(state, skippers or sleepers or suspects, ("skip",))
     rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
     location, how = absent_rank_position(state, culprit_rank, rank)
     if culprit_rank in elsewhere:
@@ -439,6 +443,11 @@ def _missing_rank_hang(
             f" in {function}()" if function else ""
         )
     fault = fault_of(rank, ("skip",)) if rank else None
+    asleep = sleeping_fault(rank, state.now) if rank else None
+    if asleep and not loaders:
+        how += f"; it is asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
+        location = location or asleep.get("caller")
+        fault = fault or asleep
     if fault:
         evidence.append(
             f"injected fault {fault.get('fault')!r} fired on rank {culprit_rank} at {fault.get('caller')}"
