@@ -126,8 +126,68 @@ def install(_module: Any = None) -> bool:
     broadcast = getattr(cls, "_distributed_broadcast_coalesced", None)
     if broadcast is not None and getattr(broadcast, "__sddoctor_original__", None) is None:
         cls._distributed_broadcast_coalesced = _traced_buffer_broadcast(broadcast)
+    _trace_bucket_rebuild()
     add_post_construct(install_comm_hook)
     return True
+
+
+def _reducer_class() -> Any:
+    """torch's C++ Reducer class (None where this torch has none)."""
+    try:
+        from torch._C._distributed_c10d import Reducer
+    except Exception:  # noqa: BLE001 - another torch: the rebuild stays untraced
+        return None
+    return Reducer
+
+
+def _trace_bucket_rebuild() -> None:
+    """Wrap the Reducer's bucket rebuild, which DDP calls before every training forward and which,
+    once per model, broadcasts the new bucket order from rank 0 in C++: a rank late to that forward
+    keeps the others waiting there, where the wrappers of torch.distributed do not see them."""
+    cls = _reducer_class()
+    rebuild = getattr(cls, "_rebuild_buckets", None)
+    if rebuild is None or getattr(rebuild, "__sddoctor_original__", None) is not None:
+        return
+    try:
+        cls._rebuild_buckets = _traced_rebuild(rebuild)
+    except Exception as exc:  # noqa: BLE001 - a class that refuses new attributes: untraced
+        internal_error("ddp bucket rebuild", exc)
+
+
+def _traced_rebuild(method: Callable[..., Any]) -> Callable[..., Any]:
+    def _rebuild_buckets(self: Any) -> Any:
+        try:
+            model = _model_of(self)
+            # after its rebuild, or with find_unused_parameters (without static_graph), a model
+            # never rebuilds: its forwards pass straight through
+            if (
+                model is None
+                or getattr(model, "_has_rebuilt_buckets", False)
+                or (
+                    getattr(model, "find_unused_parameters", False)
+                    and not getattr(model, "static_graph", False)
+                )
+            ):
+                return method(self)
+            from sddoctor.instrument import tracing
+
+            group = model.process_group
+        except Exception as exc:  # noqa: BLE001 - the rebuild runs untraced then
+            internal_error("ddp bucket rebuild", exc)
+            return method(self)
+        return tracing.call_if_collective(lambda: method(self), tracing.BUCKET_REBUILD, group, "rebuild")
+
+    _rebuild_buckets.__sddoctor_original__ = method  # type: ignore[attr-defined]
+    _rebuild_buckets.__doc__ = getattr(method, "__doc__", None)
+    return _rebuild_buckets
+
+
+def _model_of(reducer: Any) -> Any:
+    """The live DistributedDataParallel whose reducer this is (None when none is)."""
+    for model in live_models():
+        if model.__dict__.get("reducer") is reducer:
+            return model
+    return None
 
 
 def _traced_buffer_broadcast(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -166,3 +226,7 @@ def uninstall() -> None:
         original = getattr(getattr(cls, name, None), "__sddoctor_original__", None)
         if original is not None:
             setattr(cls, name, original)
+    reducer = _reducer_class()
+    original = getattr(getattr(reducer, "_rebuild_buckets", None), "__sddoctor_original__", None)
+    if original is not None:
+        reducer._rebuild_buckets = original

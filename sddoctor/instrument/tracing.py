@@ -187,7 +187,7 @@ class _Rec:
 class _Group:
     """Per process group counters (collectives and p2p apart)."""
 
-    __slots__ = ("pg", "name", "members", "seq", "p2p_seq", "current", "pending")
+    __slots__ = ("pg", "name", "members", "seq", "p2p_seq", "current", "pending", "ddp_seq", "ddp_current")
 
     def __init__(self, pg: Any, name: str, members: list[int] | None = None) -> None:
         self.pg = pg
@@ -199,6 +199,10 @@ class _Group:
         self.p2p_seq = 0
         self.current: _Rec | None = None  # the synchronous call this group is inside
         self.pending: collections.deque[_Rec] = collections.deque(maxlen=_MAX_PENDING)
+        #: DDP's own calls that are a collective only sometimes (see `Tracer.call_if_collective`),
+        #: numbered apart so that the group's numbers do not depend on them
+        self.ddp_seq = 0
+        self.ddp_current: _Rec | None = None
 
 
 class DoneWork:
@@ -396,6 +400,41 @@ class Tracer:
         if buffer.device.type != "cuda":
             self._complete_on_callback(rec, work)
         return work
+
+    def call_if_collective(self, fn: Callable[[], Any], spec: OpSpec, group: Any, mark: str) -> Any:
+        """`fn()`, a call of DDP's that is a collective only when it returns true (the bucket
+        rebuild: torch decides in C++, inside the call, whether to broadcast). While it runs it is
+        in flight as the next call of the group's `:ddp` numbering, so a rank that waits there for
+        a late peer is seen inside a collective; the number is kept only when the call was one.
+        Numbered apart from the group's collectives, which thus stay as they were without it."""
+        try:
+            st = self._groups.get(group)
+            if st is None:
+                st = self._new_group(group)
+            rec = _Rec()
+            rec.op, rec.key, rec.seq = spec.name, st.name + DDP_SUFFIX, st.ddp_seq + 1
+            rec.shapes, rec.dtypes, rec.ddp = [], [], mark
+            frame = _caller_frame(sys._getframe(2))
+            rec.file, rec.line = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("?", 0)
+            rec.t0 = time.time()
+            st.ddp_seq, st.ddp_current = rec.seq, rec
+        except Exception as exc:  # noqa: BLE001 - the call runs untraced then
+            internal_error(f"tracing of {spec.name}", exc)
+            return fn()
+        _tls.busy = True
+        try:
+            result = fn()
+        except BaseException:
+            rec.t1 = time.time()
+            st.ddp_current = None
+            self.last_failed = rec
+            raise
+        finally:
+            _tls.busy = False
+        st.ddp_current = None
+        if not result and st.ddp_seq == rec.seq:
+            st.ddp_seq = rec.seq - 1  # it communicated nothing: its number is not used
+        return result
 
     def _complete_on_callback(self, rec: _Rec, work: Any) -> None:
         """End time of an async call on CPU tensors from its future's callback, run by the backend
@@ -646,9 +685,11 @@ class Tracer:
                 issued[st.name] = st.seq
             if st.p2p_seq:
                 issued[st.name + ":p2p"] = st.p2p_seq
-            cur = st.current
-            if cur is not None:
-                inflight.append(cur.as_dict(now))
+            if st.ddp_seq:
+                issued[st.name + DDP_SUFFIX] = st.ddp_seq
+            for cur in (st.current, st.ddp_current):
+                if cur is not None:
+                    inflight.append(cur.as_dict(now))
             for rec in list(st.pending):
                 if rec.t1 is None:
                     inflight.append(rec.as_dict(now))
@@ -913,6 +954,22 @@ def _caller_frame(frame: Any) -> Any:
 #: DDP's broadcast of its module buffers (BatchNorm's running statistics) from rank 0 before each
 #: training forward, which DDP issues from C++ (`_broadcast_coalesced`)
 BUFFER_BROADCAST = OpSpec("broadcast", "tensors")
+
+
+#: DDP's bucket rebuild: once per model, at the first training forward after its buckets' order
+#: was recorded (after the first synchronised backward; with static_graph, the second), rank 0
+#: broadcasts the new order from C++ (`Reducer._rebuild_buckets`)
+BUCKET_REBUILD = OpSpec("broadcast", None)
+#: the suffix of a group's key for DDP's own calls numbered apart (`Tracer.call_if_collective`)
+DDP_SUFFIX = ":ddp"
+
+
+def call_if_collective(fn: Callable[[], Any], spec: OpSpec, group: Any, mark: str) -> Any:
+    """`fn()` traced as `Tracer.call_if_collective` does, when a tracer is active."""
+    tracer = _tracer
+    if tracer is None or getattr(_tls, "busy", False) or tracer._coalescing:
+        return fn()
+    return tracer.call_if_collective(fn, spec, group, mark)
 
 
 def call_traced(fn: Callable[[Any, Any], Any], spec: OpSpec, group: Any, payload: Any) -> Any:

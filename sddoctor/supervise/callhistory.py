@@ -46,7 +46,8 @@ def blocked_call(rank: RankState) -> Collective | None:
 def group_members(state: RunState, pg: str, everyone: list[int]) -> list[int]:
     """The ranks that issue `pg`'s calls: a subgroup's members as a rank that used it recorded them,
     else every rank (the default group, or telemetry that does not record members)."""
-    name = pg.removesuffix(":p2p")
+    # a group's point-to-point calls and DDP's own calls numbered apart (":ddp") have its members
+    name = pg.removesuffix(":p2p").removesuffix(":ddp")
     for rank in state.ranks.values():
         members = rank.snapshot.groups.get(name)
         if members:

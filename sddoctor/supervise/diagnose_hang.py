@@ -181,7 +181,9 @@ class _GroupWait:
     out_of_step: list[int] = field(default_factory=list)
 
     def where(self) -> str:
-        return f"{self.call.op} #{self.seq} on pg {self.pg} (called at {self.call.caller})"
+        # DDP's bucket rebuild is numbered apart from the group's calls: say what it is
+        what = f"{_DDP_STEP_CALLS['rebuild']}, " if self.call.ddp == "rebuild" else ""
+        return f"{self.call.op} #{self.seq} on pg {self.pg} ({what}called at {self.call.caller})"
 
     def details(self) -> dict[str, Any]:
         details: dict[str, Any] = {"pg": self.pg, "seq": self.seq, "op": self.call.op}
@@ -674,6 +676,7 @@ def _uneven_inputs_text(calls: dict[int, Collective], involved: list[int]) -> st
 _DDP_STEP_CALLS = {
     "bucket": "DDP's gradient all-reduce in the backward",
     "buffers": "DDP's buffer broadcast before the forward",
+    "rebuild": "DDP's bucket rebuild before the forward",
 }
 
 
