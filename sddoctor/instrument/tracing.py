@@ -584,6 +584,11 @@ class Tracer:
                     # the next forward): held at the next traced call, one of those would meet the peers'
                     # pending bucket, which gloo aborts on and NCCL mixes up. It stops here instead.
                     self._hold(caller)
+                if spec.kind == "object":
+                    # the program reads the objects at once (a list left as it was, None where
+                    # the peers' objects go) and would fail on them before its next collective,
+                    # an error of the fault's making: the rank stops here instead
+                    self._hold(caller)
                 self._hold_at_ddps_own_collectives()
                 self._hold_next = True
                 atexit.register(self._hold, "exit")
