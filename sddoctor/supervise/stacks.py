@@ -213,8 +213,13 @@ def top_user_frame(thread: dict[str, Any] | None, roots: CodeRoots | None = None
         filename = str(frame.get("filename", ""))
         if roots.is_user(filename):
             return f"{filename}:{frame.get('line')}", str(frame.get("name"))
-    if frames:
-        return f"{frames[0].get('filename')}:{frames[0].get('line')}", str(frames[0].get("name"))
+    # else a library's frame (accelerate's, Lightning's), never torch's or sddoctor's own: a rank
+    # held in sddoctor's code at exit is not there by the user's doing, and the callers fall back
+    # to its last collective or its fault instead
+    for frame in frames:
+        filename = str(frame.get("filename", ""))
+        if not roots.is_internal(filename):
+            return f"{filename}:{frame.get('line')}", str(frame.get("name"))
     return None
 
 
