@@ -36,6 +36,9 @@ MIN_DECIDED = 5
 MIN_STEPS = 5
 LAST_SHARE = 0.6
 MIN_OTHERS_WAIT_SHARE = 0.1
+#: the least share of the straggler's samples its busiest user line must hold to be named as where
+#: its time goes
+MIN_CAUSE_SHARE = 0.25
 MIN_WAIT_SECONDS = 0.05
 CONFIRM_SECONDS = 10.0
 CONFIRM_STEPS = 5
@@ -373,6 +376,15 @@ def _verdict(
         "waiting for it"
     )
     location = None
+    share = float((cause or {}).get("share") or 0.0)
+    if cause and cause.get("location") and share < MIN_CAUSE_SHARE:
+        # a line few samples share says little of where the straggler's time goes (its samples
+        # came after its slow part, as the job ended): the wait site stands instead
+        cause_problem = cause_problem or (
+            f"the busiest line of the user's code, {cause['location']}, held only {100 * share:.0f}% of "
+            f"its {cause.get('samples')} samples"
+        )
+        cause = None
     if cause and cause.get("location"):
         location = cause["location"]
         func = f" in {cause['function']}()" if cause.get("function") else ""
@@ -390,7 +402,7 @@ def _verdict(
     if data.get("period"):
         evidence.append(f"{data.get('steps')} steps in the window, {float(data['period']):.3f} s per step")
     if cause_problem:
-        evidence.append(f"no samples of the straggler: {cause_problem}")
+        evidence.append(f"no line of the straggler's own time: {cause_problem}")
     fault = (
         next(
             (f for f in reversed(state.ranks[rank].faults) if str(f.get("fault", "")).startswith("sleep")),
@@ -405,4 +417,6 @@ def _verdict(
         )
         location = location or fault.get("caller")
     details = {**data, "threshold": state.straggler_ratio, "cause": cause}
+    if cause is None and cause_problem:
+        details["cause_problem"] = cause_problem
     return Verdict("straggler", "warning", summary, rank, location, details, evidence)
