@@ -116,10 +116,13 @@ def sddoctor_tracebacks(text: str) -> list[str]:
     """Tracebacks in `text` of an exception that sddoctor's own code raised (not an injected fault,
     not a communication error after a peer died): each as its text."""
     bad = []
-    lines = text.splitlines()
-    for start, line in enumerate(lines):
+    all_lines = text.splitlines()
+    for first, line in enumerate(all_lines):
         if _TRACEBACK not in line:
             continue
+        # torchelastic's @record prints the traceback indented in its error summary: read it as
+        # printed at the margin
+        lines, start = _dedented(all_lines[first : first + 500]), 0
         frames: list[str] = []
         end = start + 1
         while end < len(lines):
@@ -140,3 +143,13 @@ def sddoctor_tracebacks(text: str) -> list[str]:
         if ours and not ("InjectedFault" in message or _PEER_GONE.search(message)):
             bad.append(block)
     return bad
+
+
+def _dedented(lines: list[str]) -> list[str]:
+    """A traceback's lines (the first is its header) with the indentation of the header's frames
+    removed down to the usual two spaces."""
+    frame = next((line for line in lines[1:3] if _FRAME.match(line)), None)
+    pad = len(frame) - len(frame.lstrip()) - 2 if frame else 0
+    if pad <= 0:
+        return lines
+    return [lines[0], *(line[pad:] if line[:pad].isspace() else line for line in lines[1:])]
