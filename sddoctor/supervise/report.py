@@ -151,10 +151,18 @@ def unfired_faults(report: dict[str, Any]) -> list[str]:
         if isinstance(event, dict)
     }
     return [
-        f"the injected fault {fault!r} never fired (its rank never reached that step or collective)"
+        f"the injected fault {fault!r} never fired ({_why_unfired(fault)})"
         for fault in (part.strip() for part in spec.split(";"))
         if fault and fault not in fired
     ]
+
+
+def _why_unfired(fault: str) -> str:
+    why = "its rank never reached that step or collective"
+    if fault.startswith("shape"):
+        # a shape fault leaves a call without a tensor payload (all_gather_object, ...) alone
+        why += ", or that collective carries no tensor whose shape it could change"
+    return why
 
 
 def render_summary(report: dict[str, Any], run_dir: str | None = None) -> str:
