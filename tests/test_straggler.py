@@ -107,6 +107,23 @@ def test_the_tracker_declares_only_what_persists() -> None:
     assert "train.py:4 in load()" in v.summary and "they wait for it at train.py:9" in v.summary
 
 
+def test_a_hot_line_few_samples_share_is_not_named() -> None:
+    """Sampled as a short job ended, after its slow part, the straggler's busiest line held 6% of
+    the samples: that says nothing of where its time goes, so the wait site is the location."""
+    tracker = StragglerTracker(confirm_seconds=0.0, confirm_steps=0)
+    state = state_of(synced([0.01, 0.5]))
+    tracker.update(state, now=NOW)
+    episode = tracker.update(state, now=NOW + 1)
+    assert episode is not None
+    episode.cause = {"location": "train.py:51", "function": "main", "share": 0.06, "samples": 99}
+    episode.ready = True
+    state.straggler_episodes = [e.to_dict() for e in tracker.episodes.values()]
+    (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
+    assert (v.culprit_rank, v.location) == (1, "train.py:9"), v
+    assert "train.py:51" not in v.summary and "its time goes" not in v.summary, v.summary
+    assert v.details["cause"] is None and "6% of its 99 samples" in v.details["cause_problem"]
+
+
 def test_the_tracker_forgets_a_candidate_that_stops() -> None:
     tracker = StragglerTracker(confirm_seconds=1.0, confirm_steps=0)
     slow = state_of(synced([0.01, 0.5]))

@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from sddoctor.codepaths import current_roots
 from sddoctor.supervise import stacks
 from sddoctor.supervise.launch import launcher_kind, node_rank_hint, world_size_hint
 from sddoctor.supervise.procs import Job
@@ -146,3 +147,17 @@ def test_run_and_report_do_not_import_torch(argv):
     out = main_without_torch("sddoctor.cli", argv)
     assert out.returncode in (0, 2), out.stderr
     assert "torch imported" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_stack_without_user_code_has_no_top_frame_of_torch_or_sddoctor() -> None:
+    """A rank held by a skip fault at exit runs only sddoctor's atexit callback: its location
+    falls back to the fault's call, never to a line of sddoctor's own."""
+    roots = current_roots()
+    internal = roots.internal[0]
+    held = {"frames": [{"filename": f"{internal}/instrument/tracing.py", "line": 601, "name": "_hold"}]}
+    assert stacks.top_user_frame(held, roots) is None
+    library = roots.library[0]
+    lightning = {
+        "frames": [*held["frames"], {"filename": f"{library}/lightning/fit.py", "line": 3, "name": "fit"}]
+    }
+    assert stacks.top_user_frame(lightning, roots) == (f"{library}/lightning/fit.py:3", "fit")
