@@ -248,7 +248,7 @@ def _last_seq_wanted(rank: RankState) -> tuple[str, int] | None:
     if call is not None and call.pg is not None and call.seq is not None:
         return str(call.pg), int(call.seq)
     for pg, seq in snap.issued.items():
-        if not str(pg).endswith(":p2p"):
+        if not str(pg).endswith((":p2p", ":ddp")):  # numbered apart from the group's collectives
             return str(pg), int(seq)
     return None
 
