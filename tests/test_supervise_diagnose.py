@@ -9,7 +9,7 @@ import pytest
 import sddoctor.instrument.api
 from sddoctor.supervise.diagnose import diagnose
 from sddoctor.supervise.diagnose_crash import last_traceback
-from sddoctor.supervise.state import RankState, RunState
+from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.supervise.watch import parse_launcher_failures
 
 #: a frame of sddoctor's own code, where it is really installed (never the user's line)
@@ -199,6 +199,33 @@ def test_mismatch_summary_names_both_shapes() -> None:
     state = hung(rank(0, inflight=[call(3, shapes=[[8]])]), rank(1, inflight=[call(3, shapes=[[9]])]))
     (v,) = [v for v in diagnose(state) if v.kind == "hang.mismatch"]
     assert "[[8]]" in v.summary and "[[9]]" in v.summary and "rank 0" in v.summary and "rank 1" in v.summary
+
+
+@pytest.mark.parametrize(
+    ("earlier", "usual"),
+    [
+        # FSDP2: one line reduce-scatters every layer's gradients, each its own size; rank 0 was
+        # seen there with another layer's size, rank 1's earlier calls were not sighted
+        ([(0, 6, "reduce_scatter", [[390]]), (0, 8, "reduce_scatter", [[64]])], [[390]]),
+        # Fabric's all_reduce: a barrier, then the all-reduce, from the one user line
+        ([(0, 5, "barrier", []), (1, 5, "barrier", []), (1, 6, "reduce_scatter", [[390]])], [[390]]),
+    ],
+    ids=["a-site-with-several-usual-shapes", "a-barrier-on-the-same-line"],
+)
+def test_a_usual_shape_at_a_call_site_is_no_change(earlier: list, usual: Any) -> None:
+    """The rank whose shapes at a call site were never seen there is the odd one, not the rank
+    whose site also carries other shapes or other ops (the fault on rank 1 is left out here, so
+    the shapes alone must tell)."""
+    ranks = {
+        0: rank(0, inflight=[call(15, "reduce_scatter", shapes=usual, caller="fsdp.py:33")]),
+        1: rank(1, inflight=[call(15, "reduce_scatter", shapes=[[391]], caller="fsdp.py:33")]),
+    }
+    for r, seq, op, shapes in earlier:
+        ranks[r].arrivals.setdefault("0", {})[seq] = Arrival(
+            enqueue=900.0 + seq, op=op, shapes=shapes, caller="fsdp.py:33"
+        )
+    (v,) = diagnose(hung(*ranks.values()))
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.mismatch", 1, "fsdp.py:33"), v
 
 
 def test_comm_hang_points_to_check_nccl() -> None:

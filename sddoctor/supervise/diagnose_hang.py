@@ -623,7 +623,7 @@ def _mismatch_verdict(
     if minority and len(minority) < len(involved) / 2:
         suspects = minority
     else:
-        suspects = odd or [r for r in involved if _shape_changed(state, r, calls[r])]
+        suspects = odd or [r for r in involved if _shape_changed(state, calls[r])]
     culprit = _pick_culprit(state, suspects or involved, ("shape", "skip"), require_evidence=not suspects)
     parts = [
         f"rank {r}: {calls[r].op} #{calls[r].seq} shapes {calls[r].shapes} at {calls[r].caller}"
@@ -696,16 +696,21 @@ def _parted_text(parted: PartedSites) -> str:
     return text + ": every rank calls these sites, in a different order"
 
 
-def _shape_changed(state: RunState, rank_id: int, call: Collective) -> bool:
-    """True when this rank called the same site before with other shapes (it is the odd one)."""
-    rank = state.ranks.get(rank_id)
-    if rank is None:
-        return False
-    for sightings in rank.arrivals.values():
-        for arrival in sightings.values():
-            if arrival.caller == call.caller and arrival.shapes not in (None, call.shapes):
-                return True
-    return False
+def _shape_changed(state: RunState, call: Collective) -> bool:
+    """True when no rank was seen calling this site (op and line) with these shapes before, while
+    it was seen there with others: the rank whose call this is changed its shapes (it is the odd
+    one). The op counts, since one line of a library (Fabric's all_reduce: a barrier, then the
+    all-reduce) issues several calls; and a site that carries several shapes (FSDP's per-layer
+    reduce-scatters, one line for all) has each usual one known, so a usual one is no change."""
+    seen: set[str] = set()
+    for rank in state.ranks.values():
+        for pg, sightings in rank.arrivals.items():
+            for seq, arrival in sightings.items():
+                if (pg, seq) == (call.pg, call.seq) or arrival.shapes is None:
+                    continue  # the call in question, as each rank made it
+                if (arrival.caller, arrival.op) == (call.caller, call.op):
+                    seen.add(repr(arrival.shapes))
+    return bool(seen) and repr(call.shapes) not in seen
 
 
 def mismatch_from_sightings(state: RunState) -> Verdict | None:
