@@ -23,6 +23,7 @@ from sddoctor.supervise.diagnose_base import (
     rank_exit,
     roots_of,
     signal_name,
+    sleeping_fault,
     where_is,
 )
 from sddoctor.supervise.diagnose_hang import absent_rank_position, mismatch_from_sightings
@@ -203,6 +204,12 @@ def _gave_up_waiting(state: RunState, waiter: RankState) -> Verdict | None:
         location, how = where_is(rank)  # where it last was; its end came from the job's teardown
     else:
         location, how = absent_rank_position(state, culprit, rank)
+    # no stack was taken (the job's own timeout ended it first): a rank that was asleep in an
+    # injected sleep then is there, not at its last collective
+    asleep = sleeping_fault(rank, death_time(waiter)) if rank is not None and not rank.stack else None
+    if asleep is not None:
+        how += f"; it was asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
+        location = asleep.get("caller") or location
     snap = waiter.snapshot
     known = [c for c in (snap.failed, *snap.inflight, snap.last_done) if c is not None]
     waited = next((c for c in known if c.seq == seq and str(c.pg) == str(pg)), None)
