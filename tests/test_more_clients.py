@@ -1,0 +1,159 @@
+"""More DDP program shapes run unchanged under `sddoctor run` (2 ranks, CPU, gloo): DDP with
+static_graph and an unused branch, torchelastic's @record with object collectives and a
+monitored_barrier, ZeroRedundancyOptimizer, and a Lightning Fabric loop.
+
+The runs start side by side in one module-scoped fixture (with the ZeRO program once more
+without sddoctor, to compare its results); each test reads one report."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from client_fixtures import CLIENTS, sddoctor_tracebacks
+from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+
+from conftest import subprocess_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+STATIC = CLIENTS / "static_unused.py"
+RECORD = CLIENTS / "record_metrics.py"
+ZERO = CLIENTS / "zero_optimizer.py"
+FABRIC = CLIENTS / "fabric_script.py"
+HANG = ("--hang-timeout", "5", "--on-hang", "kill")
+#: record_metrics with 10 steps: per 5 steps 5 gradient all-reduces, an all_gather_object (#6)
+#: and a broadcast_object_list (#7); the monitored_barrier at the end is #15
+RECORD_ENV = {"STEPS": "10", "METRICS_EVERY": "5"}
+CASES: dict[str, tuple[Path, str | None, dict[str, str]]] = {
+    # rank 1 stops before its third forward, where static_graph DDP rebuilds its buckets: rank 0
+    # waits in the rebuild's broadcast, which DDP issues from C++
+    "static-late": (STATIC, "sleep:rank=1,seconds=600,step=3", {"STEPS": "12"}),
+    "decide-skip": (RECORD, "skip:rank=1,seq=7", RECORD_ENV),
+    "monitored-skip": (RECORD, "skip:rank=1,seq=15", RECORD_ENV),
+    # rank 1 sleeps before the monitored_barrier, whose 3 s timeout ends rank 0's wait (and the
+    # job) before --hang-timeout (30 s here) does
+    "monitored-timeout": (RECORD, "sleep:rank=1,seconds=600,seq=15", {**RECORD_ENV, "MONITOR_TIMEOUT": "3"}),
+    "zero-healthy": (ZERO, None, {"STEPS": "12"}),
+    "fabric-healthy": (FABRIC, None, {"STEPS": "12"}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised | str]:
+    root = tmp_path_factory.mktemp("more-clients")
+
+    def one(name: str) -> tuple[str, Supervised | str]:
+        where = root / name
+        where.mkdir()
+        if name == "zero-plain":  # the same program without sddoctor: its results to compare
+            env = subprocess_env(OMP_NUM_THREADS="1", STEPS="12")
+            cmd = [*torchrun(2, "--standalone", str(ZERO))]
+            done = subprocess.run(cmd, env=env, cwd=where, capture_output=True, text=True, timeout=120)
+            return name, done.stdout
+        script, fault, extra = CASES[name]
+        env = {"OMP_NUM_THREADS": "1", **extra}
+        options = ("--hang-timeout", "30") if name == "monitored-timeout" else HANG
+        return name, run_supervised(
+            where,
+            torchrun(2, "--standalone", str(script)),
+            options=options,
+            fault=fault,
+            env=env,
+            timeout=150,
+        )
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, [*CASES, "zero-plain"]))
+
+
+def _run(runs: dict[str, Supervised | str], name: str) -> Supervised:
+    res = runs[name]
+    assert isinstance(res, Supervised)
+    log = res.run_dir / "stderr.log"
+    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
+    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
+    return res
+
+
+def test_a_rank_late_to_the_forward_that_rebuilds_ddps_buckets_is_named(runs: dict) -> None:
+    """DDP rebuilds its buckets once, broadcasting their order from rank 0 in C++ (with
+    static_graph at the third forward): rank 0 waits there, which is a collective, not 'no rank
+    is in a collective'."""
+    res = _run(runs, "static-late")
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# FORWARD", STATIC), v
+    details = v["details"]
+    assert (details["op"], details["pg"], details["seq"], details["waiting_ranks"]) == (
+        "broadcast",
+        "0:ddp",
+        1,
+        [0],
+    )
+    assert "DDP's bucket rebuild" in v["summary"] and "asleep in the injected fault" in v["summary"], v
+
+
+def test_a_skipped_object_collective_holds_the_rank_in_it(runs: dict) -> None:
+    """Skipped, broadcast_object_list would leave rank 1's list as it was and the program would
+    fail reading it: a crash of the fault's own making. The rank stops in the call instead."""
+    res = _run(runs, "decide-skip")
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.report["verdicts"]
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# DECIDE", RECORD), v
+    assert "broadcast_object_list #7" in v["summary"], v
+    assert "TypeError" not in (res.run_dir / "stderr.log").read_text()
+
+
+def test_a_rank_held_at_exit_is_located_at_its_skipped_call(runs: dict) -> None:
+    """Rank 1 skipped the final monitored_barrier and is held at exit, in sddoctor's atexit
+    callback with no frame of the program's own: the location is the skipped call's line."""
+    res = _run(runs, "monitored-skip")
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# MONITORED", RECORD), v
+    assert "sddoctor" not in v["summary"].replace(str(CLIENTS), ""), v
+
+
+def test_a_rank_asleep_when_monitored_barrier_gives_up_is_located_at_its_sleep(runs: dict) -> None:
+    """monitored_barrier names rank 1 and ends the job; no stack was taken, so the line comes
+    from the sleep rank 1 was in, not from its last completed collective."""
+    res = _run(runs, "monitored-timeout")
+    assert res.returncode == 1, res.stderr[-3000:]
+    (v,) = res.report["verdicts"]
+    assert (v["kind"], v["culprit_rank"], v["details"]["ended"]) == ("hang.missing_rank", 1, "timeout"), v
+    assert v["location"] == script_line("# MONITORED", RECORD), v
+    assert "monitoredBarrier" in v["summary"] and "asleep in the injected fault" in v["summary"], v
+
+
+def test_zero_redundancy_optimizer_runs_healthy_and_unchanged(runs: dict) -> None:
+    """Its step broadcasts each rank's shard of the parameters (asynchronous broadcasts); the
+    steps are DDP's, and the weights end as they do without sddoctor."""
+    res = _run(runs, "zero-healthy")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.report["outcome"] == "ok" and res.report["verdicts"] == [], res.report["verdicts"]
+    for rank in (0, 1):
+        steps = res.events(rank, "step")
+        assert [s["step"] for s in steps] == list(range(1, 13))
+        assert {(s.get("source"), s.get("samples")) for s in steps} == {("ddp", 16)}
+    plain = runs["zero-plain"]
+    assert isinstance(plain, str)
+    checksum = re.compile(r"rank \d steps \d+ checksum \S+")
+    assert sorted(checksum.findall(res.stdout)) == sorted(checksum.findall(plain)) != [], (res.stdout, plain)
+
+
+def test_a_fabric_loop_runs_healthy_with_its_steps_counted(runs: dict) -> None:
+    res = _run(runs, "fabric-healthy")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.report["outcome"] == "ok" and res.report["verdicts"] == [], res.report["verdicts"]
+    for rank in (0, 1):
+        steps = res.events(rank, "step")
+        assert [s["step"] for s in steps] == list(range(1, 13))
+        assert {s.get("samples") for s in steps} == {8}
+    assert res.report["health"]["throughput"]["steps"] == 12
