@@ -9,6 +9,7 @@ import signal
 from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
+from sddoctor.instrument.faults import FaultSpecError, parse_faults
 from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import RankState, RunState
 
@@ -108,14 +109,13 @@ def sleeping_fault(rank: RankState, now: float) -> dict[str, Any] | None:
 
 
 def _sleep_seconds(spec: str) -> float | None:
-    for item in spec.split(":", 1)[-1].split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "seconds":
-            try:
-                return float(value)
-            except ValueError:
-                return None
-    return None
+    """The `seconds` of a fault event's spec, read by the parser the ranks used (None if unreadable)."""
+    try:
+        (fault,) = parse_faults(spec)
+    except (FaultSpecError, ValueError):
+        return None
+    seconds = fault.get("seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) else None
 
 
 def where_is(rank: RankState) -> tuple[str | None, str]:

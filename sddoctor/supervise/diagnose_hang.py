@@ -427,9 +427,9 @@ def _missing_rank_hang(
     skipped = [r for r in elsewhere if _departure(state, r, calls) is not None]
     free = [r for r in culprits if r not in elsewhere]
     suspects = skipped or free or culprits
+    # a rank a skip fault fired on first, then one still asleep in a sleep fault
     sleepers = [r for r in suspects if r in state.ranks and sleeping_fault(state.ranks[r], state.now)]
-    skippers = [r for r in suspects if r in state.ranks and fault_of(state.ranks[r], ("skip",))]
-    culprit_rank = _pick_culprit(state, skippers or sleepers or suspects, ("skip",))
+    culprit_rank = _pick_culprit(state, suspects, ("skip",), otherwise=sleepers)
     rank = state.ranks.get(culprit_rank) if culprit_rank is not None else None
     location, how = absent_rank_position(state, culprit_rank, rank)
     if culprit_rank in elsewhere:
@@ -778,12 +778,19 @@ def _routine_broken(state: RunState) -> Verdict | None:
 
 
 def _pick_culprit(
-    state: RunState, suspects: list[int], fault_kinds: tuple[str, ...], require_evidence: bool = False
+    state: RunState,
+    suspects: list[int],
+    fault_kinds: tuple[str, ...],
+    require_evidence: bool = False,
+    otherwise: list[int] | None = None,
 ) -> int | None:
-    """One rank among suspects: the one an injected fault fired on, else the lowest (or None)."""
+    """One rank among suspects: the one an injected fault fired on, else the lowest of `otherwise`
+    (ranks with weaker evidence), else the lowest (or None)."""
     for r in suspects:
         if r in state.ranks and fault_of(state.ranks[r], fault_kinds):
             return r
+    if otherwise:
+        return min(otherwise)
     if require_evidence and len(suspects) > 1:
         return None
     return min(suspects) if suspects else None

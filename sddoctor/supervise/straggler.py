@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from sddoctor.supervise.diagnose_base import fault_of
 from sddoctor.supervise.state import RankState, RunState, Verdict
 
 WINDOW = 60.0
@@ -403,14 +404,7 @@ def _verdict(
         evidence.append(f"{data.get('steps')} steps in the window, {float(data['period']):.3f} s per step")
     if cause_problem:
         evidence.append(f"no line of the straggler's own time: {cause_problem}")
-    fault = (
-        next(
-            (f for f in reversed(state.ranks[rank].faults) if str(f.get("fault", "")).startswith("sleep")),
-            None,
-        )
-        if rank in state.ranks
-        else None
-    )
+    fault = fault_of(state.ranks[rank], ("sleep",)) if rank in state.ranks else None
     if fault:
         evidence.append(
             f"injected fault {fault.get('fault')!r} fired on rank {rank} at {fault.get('caller')}"
