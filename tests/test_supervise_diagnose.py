@@ -228,6 +228,44 @@ def test_a_usual_shape_at_a_call_site_is_no_change(earlier: list, usual: Any) ->
     assert (v.kind, v.culprit_rank, v.location) == ("hang.mismatch", 1, "fsdp.py:33"), v
 
 
+def _trained(r: RankState, seqs: range, *, forward: str = "t.py:78", backward: str = "t.py:88") -> RankState:
+    """Give `r` a record of training steps under DDP with buffers: odd seqs the forward's buffer
+    broadcast, even seqs the backward's gradient all-reduce."""
+    for seq in seqs:
+        op, caller = ("broadcast", forward) if seq % 2 else ("all_reduce", backward)
+        r.arrivals.setdefault("0", {})[seq] = Arrival(enqueue=900.0 + seq, op=op, shapes=[[4]], caller=caller)
+    return r
+
+
+def test_a_rank_that_ran_a_forward_without_its_backward_is_the_culprit() -> None:
+    """Rank 1 skipped a backward (a `continue` on a NaN loss): its next forward's buffer broadcast
+    meets rank 0's gradient all-reduce. Both ranks call both sites, so the sites alone do not say
+    who left the common path; rank 1's own record does (a broadcast right after a broadcast)."""
+    bucket = dict(call(10, caller="t.py:88", since=995.0), ddp="bucket")
+    buffers = dict(call(10, "broadcast", caller="t.py:78", since=995.0), ddp="buffers")
+    state = hung(
+        _trained(rank(0, inflight=[bucket], step=4), range(1, 10)),
+        _trained(rank(1, inflight=[buffers], step=4), range(1, 10)),
+    )
+    (v,) = diagnose(state)
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.mismatch", 1, "t.py:78"), v
+    assert "every earlier time it called all_reduce at t.py:88 next: it skipped that call" in v.summary
+    assert "rank 1 ran a training forward without its backward" in v.summary, v.summary
+    assert v.details["left_routine"]["usual"] == {"op": "all_reduce", "caller": "t.py:88"}
+
+
+def test_ranks_each_at_a_site_of_their_own_took_different_branches() -> None:
+    """Rank 0 all-reduces then broadcasts, rank 1 the other way round, each from its own lines:
+    no rank is the odd one, and the summary does not say one rank's call is extra."""
+    state = hung(
+        _trained(rank(0, inflight=[call(11, caller="t.py:66")]), range(1, 11)),
+        _trained(rank(1, inflight=[call(11, "broadcast", shapes=[[3]], caller="t.py:69")]), range(1, 11)),
+    )
+    (v,) = diagnose(state)
+    assert (v.kind, v.culprit_rank) == ("hang.mismatch", None), v
+    assert "the ranks took different branches" in v.summary and "only some ranks reach" not in v.summary
+
+
 def test_comm_hang_points_to_check_nccl() -> None:
     (v,) = diagnose(hung(rank(0, inflight=[call(7)]), rank(1, inflight=[call(7)])))
     assert "sddoctor check-nccl" in v.summary

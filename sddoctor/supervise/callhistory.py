@@ -81,6 +81,14 @@ class Departure:
     #: the one site that always came next before, if there was only one
     usual: Site | None
 
+    def to_dict(self) -> dict[str, dict[str, str | None] | None]:
+        """The three sites as {op, caller} (for a verdict's details)."""
+
+        def one(site: Site | None) -> dict[str, str | None] | None:
+            return None if site is None else {"op": site[0], "caller": site[1]}
+
+        return {"previous": one(self.previous), "current": one(self.current), "usual": one(self.usual)}
+
 
 def left_routine(rank: RankState, call: Collective, min_repeats: int = 2) -> Departure | None:
     """Whether `call` broke the rank's own routine: the call before it was made at least

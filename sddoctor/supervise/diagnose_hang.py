@@ -19,6 +19,7 @@ from sddoctor.supervise.callhistory import (
     left_routine,
     parted_sites,
     peer_waits,
+    site_of,
     site_text,
 )
 from sddoctor.supervise.diagnose_base import (
@@ -611,7 +612,8 @@ def _mismatch_verdict(
     evidence: list[str],
 ) -> Verdict:
     """Ranks disagree on a collective: the minority, else the rank(s) that called a site the others
-    never call where their calls parted, else the rank whose shapes changed at a call site."""
+    never call where their calls parted, else the rank whose shapes changed at a call site, else
+    the one rank whose call broke its own routine (it skipped a call the others made)."""
     involved = sorted(set(waiters) | set(out_of_step))
     groups: dict[str, list[int]] = {}
     for r in involved:
@@ -624,6 +626,8 @@ def _mismatch_verdict(
         suspects = minority
     else:
         suspects = odd or [r for r in involved if _shape_changed(state, calls[r])]
+    departed = {} if suspects else _lone_departure(state, involved, calls)
+    suspects = suspects or list(departed)
     culprit = _pick_culprit(state, suspects or involved, ("shape", "skip"), require_evidence=not suspects)
     parts = [
         f"rank {r}: {calls[r].op} #{calls[r].seq} shapes {calls[r].shapes} at {calls[r].caller}"
@@ -631,8 +635,9 @@ def _mismatch_verdict(
     ]
     summary = f"hang: ranks disagree on collective #{seq} (pg {pg}): " + "; ".join(parts)
     location = calls[culprit].caller if culprit is not None and culprit in calls else None
+    uneven = _uneven_inputs_text(state, calls, involved)
     if parted is not None:
-        summary += f". {_parted_text(parted)}"
+        summary += f". {_parted_text(parted, uneven is not None)}"
         if culprit in parted.odd:
             location = parted.sites[culprit][1] or location
         details["parted_at"] = {
@@ -640,7 +645,9 @@ def _mismatch_verdict(
             "sites": {str(r): {"op": op, "caller": caller} for r, (op, caller) in parted.sites.items()},
             "odd_ranks": sorted(parted.odd),
         }
-    uneven = _uneven_inputs_text(calls, involved)
+    for r, departure in departed.items():
+        summary += f". {_skipped_text(r, departure, calls)}"
+        details["left_routine"] = {"rank": r, **departure.to_dict()}
     if uneven:
         summary += f". {uneven}"
     details.update(calls={str(r): calls[r].to_dict() for r in involved}, out_of_step_ranks=out_of_step)
@@ -653,22 +660,64 @@ def _mismatch_verdict(
     return Verdict("hang.mismatch", "error", summary, culprit, location, details, evidence)
 
 
-def _uneven_inputs_text(calls: dict[int, Collective], involved: list[int]) -> str | None:
+def _lone_departure(
+    state: RunState, involved: list[int], calls: dict[int, Collective]
+) -> dict[int, Departure]:
+    """The one rank of `involved` whose call broke its own routine (see `left_routine`), if only one
+    did. Ranks that call the same sites in a different order do not say by their sites who is off
+    the common path; a rank that skipped a call (a forward whose backward it never ran, so its next
+    forward's buffer broadcast meets the others' gradient all-reduce) does, by its own record."""
+    departed = {r: d for r in involved if (d := _departure(state, r, calls)) is not None}
+    return departed if len(departed) == 1 else {}
+
+
+def _skipped_text(r: int, departure: Departure, calls: dict[int, Collective]) -> str:
+    """What the rank that broke its routine did; when the call it skipped is the one the others wait
+    in as DDP's gradient all-reduce, that it ran a training forward without its backward."""
+    text = f"R{_departure_text(r, departure)[1:]}"
+    skipped = [c for c in calls.values() if c.ddp == "bucket" and site_of(c) == departure.usual]
+    if not skipped:
+        return text
+    return text + (
+        f" ({_DDP_STEP_CALLS['bucket']}): rank {r} ran a training forward without its backward (a batch "
+        "dropped between `model(x)` and `loss.backward()`: a `continue` on a non-finite loss or in an "
+        "`except`), so its DDP collectives no longer pair with the other ranks'. Under DDP every rank "
+        "runs the backward of every training forward: decide to skip a batch on all ranks together "
+        "(all-reduce a flag first)"
+    )
+
+
+def _steps_text(state: RunState, in_step: list[int], elsewhere: list[int]) -> str:
+    """ "rank 1 is in its step 16, rank 0 finished 15": the ranks' step counts, where known."""
+
+    def finished(r: int) -> int | None:
+        rank = state.ranks.get(r)
+        return rank.snapshot.step if rank is not None else None
+
+    parts = [f"rank {r} is in its step {n + 1}" for r in in_step if (n := finished(r)) is not None]
+    parts += [f"rank {r} finished {n}" for r in elsewhere if (n := finished(r)) is not None]
+    return f" ({', '.join(parts)})" if len(parts) == len(in_step) + len(elsewhere) else ""
+
+
+def _uneven_inputs_text(state: RunState, calls: dict[int, Collective], involved: list[int]) -> str | None:
     """Some ranks wait in a collective DDP issues inside a training step while the others called
     something else: the classic end of uneven inputs, where a rank whose data ran out left the loop
-    (for a barrier, an evaluation, the next epoch) and its peers are still training."""
+    (for a barrier, an evaluation, the next epoch) and its peers are still training. The step counts
+    show it; a collective only some ranks call from inside the loop looks the same at its first call."""
     in_step = [r for r in involved if calls[r].ddp in _DDP_STEP_CALLS]
     elsewhere = [r for r in involved if calls[r].ddp not in _DDP_STEP_CALLS]
     if not in_step or not elsewhere:
         return None
     what = " / ".join(sorted({_DDP_STEP_CALLS[str(calls[r].ddp)] for r in in_step}))
-    one = len(elsewhere) == 1
+    one, them = len(elsewhere) == 1, join_ranks(elsewhere)
     return (
         f"Rank {join_ranks(in_step)} {'is' if len(in_step) == 1 else 'are'} in a training step ({what}) "
-        f"and rank {join_ranks(elsewhere)} {'is' if one else 'are'} not: if rank {join_ranks(elsewhere)} "
-        f"left {'its' if one else 'their'} training loop, the ranks ran different numbers of iterations "
-        "(uneven inputs: one rank's data gave fewer batches); give every rank the same number of "
-        "batches (DistributedSampler, drop_last=True) or train under DDP's join() context"
+        f"and rank {them} {'is' if one else 'are'} not{_steps_text(state, in_step, elsewhere)}: if rank "
+        f"{them} left {'its' if one else 'their'} training loop, the ranks ran different numbers of "
+        "iterations (uneven inputs: one rank's data gave fewer batches); give every rank the same number "
+        "of batches (DistributedSampler, drop_last=True) or train under DDP's join() context. Else rank "
+        f"{them}'s call is one only some ranks reach (under `if rank == 0`, `is_main_process` or "
+        "`is_global_zero`, or a callback run on one rank): every rank must call it"
     )
 
 
@@ -680,14 +729,24 @@ _DDP_STEP_CALLS = {
 }
 
 
-def _parted_text(parted: PartedSites) -> str:
-    """Where the ranks' calls parted, naming every rank's call site there."""
+def _parted_text(parted: PartedSites, uneven: bool = False) -> str:
+    """Where the ranks' calls parted, naming every rank's call site there, and what that means: a
+    call only some ranks reach; every rank at a site of its own (the ranks took different branches);
+    or, with `uneven` (the uneven-inputs text follows and weighs both), nothing more."""
     said = []
     for r, site in sorted(parted.sites.items()):
         never = parted.odd.get(r)
         tail = f", which rank {join_ranks(never)} never call{'s' if len(never) == 1 else ''}" if never else ""
         said.append(f"rank {r} called {site_text(site)}{tail}")
     text = f"The ranks' calls parted at #{parted.seq}: " + "; ".join(said)
+    if parted.odd and len(parted.odd) == len(parted.sites):
+        return text + (
+            ". Every rank is at a call site the others never call: the ranks took different branches "
+            "(collectives under `if rank == ...`); every rank must issue the same collectives in the "
+            "same order"
+        )
+    if parted.odd and uneven:
+        return text
     if parted.odd:
         return text + (
             ". A collective that only some ranks reach (under `if rank == 0`, `is_main_process` or "

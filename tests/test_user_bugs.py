@@ -1,0 +1,120 @@
+"""Classic user mistakes that hang a DDP job, with no fault injected: one plain DDP program
+(`tests/clients/user_bugs.py`, 2 ranks, CPU, gloo, an MLP with a BatchNorm so that every training
+forward broadcasts DDP's buffers) with the mistake switched on by BUG. Each verdict must be true:
+its kind, the rank off the common path and the user's own line.
+
+The runs start side by side in one module-scoped fixture; each test reads one report."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from client_fixtures import CLIENTS, sddoctor_tracebacks
+from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SCRIPT = CLIENTS / "user_bugs.py"
+#: 2 epochs of 8 steps; the bugs fire at step 4 (after 3 whole steps: a routine seen 3 times)
+BASE = {"OMP_NUM_THREADS": "1", "STEPS": "8", "AT": "4"}
+CASES: dict[str, dict[str, str]] = {
+    "healthy": {},
+    "val_rank0": {"BUG": "val_rank0"},
+    "nan_skip": {"BUG": "nan_skip"},
+    "except_skip": {"BUG": "except_skip"},
+    "uneven": {"BUG": "uneven"},
+    "slow_save": {"BUG": "slow_save"},
+    "order": {"BUG": "order", "SAME_SHAPES": "1"},
+    "early_exit": {"BUG": "early_exit"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
+    root = tmp_path_factory.mktemp("user-bugs")
+
+    def one(name: str) -> tuple[str, Supervised]:
+        where = root / name
+        where.mkdir()
+        job = torchrun(2, "--standalone", str(SCRIPT))
+        options = ("--hang-timeout", "5", "--on-hang", "kill")
+        return name, run_supervised(where, job, options=options, env={**BASE, **CASES[name]}, timeout=150)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(pool.map(one, CASES))
+
+
+def _run(runs: dict[str, Supervised], name: str, returncode: int = 124) -> Supervised:
+    res = runs[name]
+    log = res.run_dir / "stderr.log"
+    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
+    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
+    assert res.returncode == returncode, res.stderr[-3000:]
+    return res
+
+
+def _verdict(res: Supervised) -> dict:
+    (v,) = res.report["verdicts"]
+    return v
+
+
+def test_the_healthy_program_ends_ok_with_every_step(runs: dict) -> None:
+    res = _run(runs, "healthy", 0)
+    assert res.report["outcome"] == "ok" and res.report["verdicts"] == [], res.report["verdicts"]
+    assert [res.report["health"]["ranks"][r]["steps"] for r in "01"] == [16, 16]
+
+
+def test_a_validation_forward_on_rank_0_only_names_rank_0_there(runs: dict) -> None:
+    """Without torch.no_grad() the DDP forward broadcasts the BatchNorm buffers: rank 0's extra
+    broadcast meets rank 1's next training forward, and the ranks are one call apart after it."""
+    v = _verdict(_run(runs, "val_rank0"))
+    assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", 0), v
+    assert v["location"] == script_line("# VALIDATION", SCRIPT), v
+    assert v["details"]["parted_at"]["odd_ranks"] == [0], v
+
+
+@pytest.mark.parametrize("name", ["nan_skip", "except_skip"])
+def test_a_batch_skipped_before_its_backward_on_one_rank_names_that_rank(runs: dict, name: str) -> None:
+    """Rank 1 drops a batch after its forward (a `continue` on a non-finite loss, or in an
+    `except`): its next forward's buffer broadcast meets rank 0's gradient all-reduce. Both ranks
+    call both sites; rank 1's own record shows the backward it skipped."""
+    v = _verdict(_run(runs, name))
+    assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", 1), v
+    assert v["location"] == script_line("# FORWARD", SCRIPT), v
+    assert v["details"]["left_routine"]["usual"]["caller"] == script_line("# BACKWARD", SCRIPT), v
+    assert "rank 1 ran a training forward without its backward" in v["summary"], v
+
+
+def test_uneven_shards_show_the_ranks_steps(runs: dict) -> None:
+    """Rank 1's shard has a batch more: rank 0 leaves the loop for the epoch's metric all-reduce
+    while rank 1 trains on. The rank that left is named where it went (as for uneven inputs
+    ending at a barrier), and the step counts show the difference."""
+    v = _verdict(_run(runs, "uneven"))
+    assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", 0), v
+    assert v["location"] == script_line("# EPOCH METRIC", SCRIPT), v
+    assert "(rank 1 is in its step 9, rank 0 finished 8)" in v["summary"], v
+    assert "uneven inputs" in v["summary"] and "only some ranks reach" in v["summary"], v
+
+
+def test_a_slow_checkpoint_on_rank_0_names_its_save_line(runs: dict) -> None:
+    v = _verdict(_run(runs, "slow_save"))
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 0), v
+    assert v["location"] == script_line("# SLOW SAVE", SCRIPT), v
+    assert (v["details"]["op"], v["details"]["waiting_ranks"]) == ("barrier", [1]), v
+    assert f"called at {script_line('# BARRIER', SCRIPT)}" in v["summary"], v
+
+
+def test_collectives_in_a_different_order_name_no_rank(runs: dict) -> None:
+    """Rank 0 all-reduces then broadcasts, rank 1 the other way round (equal shapes: gloo waits
+    instead of aborting). Neither rank is more wrong than the other."""
+    v = _verdict(_run(runs, "order"))
+    assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", None), v
+    assert v["details"]["parted_at"]["odd_ranks"] == [0, 1], v
+    assert "the ranks took different branches" in v["summary"], v
+
+
+def test_a_rank_that_leaves_early_is_named_not_the_one_that_lost_it(runs: dict) -> None:
+    v = _verdict(_run(runs, "early_exit", 1))
+    assert (v["kind"], v["culprit_rank"]) == ("exited_early", 1), v
+    assert v["details"]["consequences"] == [0], v
