@@ -136,6 +136,19 @@ crash()
     assert read_fatal_dump(tmp_path / "missing.fatal") is None
 
 
+def test_a_fatal_dump_without_a_current_thread_is_read_from_the_main_thread():
+    """A backend's own thread aborting (gloo on a size mismatch) has no Python state: no thread is
+    marked current, and the main thread, listed last, is where the program was."""
+    text = (
+        "Fatal Python error: Aborted\n\nThread 0x0002 (most recent call first):\n"
+        '  File "/x/threading.py", line 331 in wait\n\nThread 0x0001 (most recent call first):\n'
+        '  File "/x/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "train.py", line 63 in sync\n'
+    )
+    found = parse_fatal_dump(text)
+    assert found is not None and found.frames[-1] == "train.py:63 in sync", found
+
+
 def test_an_injected_fault_that_never_fired_is_said(tmp_path):
     """The run is fine, but a fault meant to test it never happened: that must not read as a pass."""
     script = _job(tmp_path)

@@ -400,6 +400,33 @@ def test_gloo_size_mismatch_abort_is_a_mismatch_not_a_crash() -> None:
     assert verdicts[0].culprit_rank == 1 and verdicts[0].location == "/u/t.py:9"
 
 
+def test_a_size_mismatch_abort_without_records_says_where_the_ranks_were() -> None:
+    """The rank gloo aborted wrote no record of the call it died in, and no two records of one
+    call differ (a timeline row has no shapes: an unknown is no difference). Its fatal-signal dump
+    and the other rank's last call say where each was; no rank is guessed."""
+    bucket = dict(call(10, caller="/u/t.py:89"), ddp="bucket")
+    r0 = rank(0, alive=False, exit={"t": 10.2, "signal": 15}, done=bucket)
+    r1 = rank(1, alive=False, exit={"t": 10.0, "signal": 6}, done=call(5, caller="/u/t.py:89"))
+    frames = [f"{SDDOCTOR_API}:3 in all_reduce", "/u/t.py:63 in sync"]
+    r1.fatal = {"error": "Aborted", "frames": frames}
+    r0.arrivals["0"] = {5: Arrival(enqueue=905.0, op="all_reduce", shapes=[[676]], caller="/u/t.py:89")}
+    r1.arrivals["0"] = {5: Arrival(enqueue=905.0, op="all_reduce", shapes=None, caller="/u/t.py:89")}
+    state = RunState(
+        now=20.0,
+        started=0.0,
+        ranks={0: r0, 1: r1},
+        job_exit={"code": 1, "t": 11},
+        stderr_tail=["what():  [enforce fail] 676 vs 4. Received data size doesn't match expected size."],
+    )
+    (v,) = diagnose(state)
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.mismatch", None, None), v
+    assert "rank 1 aborted at /u/t.py:63 (its fatal-signal dump)" in v.summary, v.summary
+    assert (
+        "rank 0's last recorded call was all_reduce #10 (DDP's gradient all-reduce in the backward) at /u/t.py:89"
+        in v.summary
+    ), v.summary
+
+
 # -- OOM --------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import signal
 from typing import Any
 
 from sddoctor.codepaths import first_user_frame
+from sddoctor.supervise.callhistory import blocked_call
 from sddoctor.supervise.diagnose_base import (
     PEER_FAILURE,
     STOP_SIGNALS,
@@ -26,7 +27,7 @@ from sddoctor.supervise.diagnose_base import (
     sleeping_fault,
     where_is,
 )
-from sddoctor.supervise.diagnose_hang import absent_rank_position, mismatch_from_sightings
+from sddoctor.supervise.diagnose_hang import DDP_STEP_CALLS, absent_rank_position, mismatch_from_sightings
 from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import RankState, RunState, Verdict
 
@@ -458,14 +459,32 @@ def diagnose_crash_mismatch(state: RunState) -> Verdict | None:
         return None
     verdict = mismatch_from_sightings(state)
     if verdict is None:
-        verdict = Verdict(
-            kind="hang.mismatch",
-            severity="error",
-            summary="ranks disagree on a collective (the backend reported a size mismatch and aborted)",
-        )
+        summary = "ranks disagree on a collective (the backend reported a size mismatch and aborted)"
+        positions = _last_positions(state)
+        if positions:
+            summary += ". Where the ranks were: " + "; ".join(positions)
+        verdict = Verdict(kind="hang.mismatch", severity="error", summary=summary)
     verdict.details["ended"] = "crash"
     verdict.evidence.append("the backend aborted: " + _first_match(_MISMATCH_TEXT, [text, *messages]))
     return verdict
+
+
+def _last_positions(state: RunState) -> list[str]:
+    """Where each rank was last seen when no record says which call they disagreed on: a rank the
+    abort killed at once wrote no record of that call, but its fatal-signal dump names the user's
+    line it was at; another rank's last recorded call stands for its own position."""
+    said = []
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        frame = _fatal_frame(rank) if rank.fatal else None
+        call = blocked_call(rank) or rank.snapshot.last_done
+        if frame is not None:
+            said.append(f"rank {rank.rank} aborted at {frame} (its fatal-signal dump)")
+        elif call is not None:
+            what = f" ({DDP_STEP_CALLS[call.ddp]})" if call.ddp in DDP_STEP_CALLS else ""
+            said.append(
+                f"rank {rank.rank}'s last recorded call was {call.op} #{call.seq}{what} at {call.caller}"
+            )
+    return said
 
 
 def _first_match(pattern: re.Pattern[str], texts: list[str]) -> str:

@@ -183,7 +183,7 @@ class _GroupWait:
 
     def where(self) -> str:
         # DDP's bucket rebuild is numbered apart from the group's calls: say what it is
-        what = f"{_DDP_STEP_CALLS['rebuild']}, " if self.call.ddp == "rebuild" else ""
+        what = f"{DDP_STEP_CALLS['rebuild']}, " if self.call.ddp == "rebuild" else ""
         return f"{self.call.op} #{self.seq} on pg {self.pg} ({what}called at {self.call.caller})"
 
     def details(self) -> dict[str, Any]:
@@ -679,7 +679,7 @@ def _skipped_text(r: int, departure: Departure, calls: dict[int, Collective]) ->
     if not skipped:
         return text
     return text + (
-        f" ({_DDP_STEP_CALLS['bucket']}): rank {r} ran a training forward without its backward (a batch "
+        f" ({DDP_STEP_CALLS['bucket']}): rank {r} ran a training forward without its backward (a batch "
         "dropped between `model(x)` and `loss.backward()`: a `continue` on a non-finite loss or in an "
         "`except`), so its DDP collectives no longer pair with the other ranks'. Under DDP every rank "
         "runs the backward of every training forward: decide to skip a batch on all ranks together "
@@ -704,11 +704,11 @@ def _uneven_inputs_text(state: RunState, calls: dict[int, Collective], involved:
     something else: the classic end of uneven inputs, where a rank whose data ran out left the loop
     (for a barrier, an evaluation, the next epoch) and its peers are still training. The step counts
     show it; a collective only some ranks call from inside the loop looks the same at its first call."""
-    in_step = [r for r in involved if calls[r].ddp in _DDP_STEP_CALLS]
-    elsewhere = [r for r in involved if calls[r].ddp not in _DDP_STEP_CALLS]
+    in_step = [r for r in involved if calls[r].ddp in DDP_STEP_CALLS]
+    elsewhere = [r for r in involved if calls[r].ddp not in DDP_STEP_CALLS]
     if not in_step or not elsewhere:
         return None
-    what = " / ".join(sorted({_DDP_STEP_CALLS[str(calls[r].ddp)] for r in in_step}))
+    what = " / ".join(sorted({DDP_STEP_CALLS[str(calls[r].ddp)] for r in in_step}))
     one, them = len(elsewhere) == 1, join_ranks(elsewhere)
     return (
         f"Rank {join_ranks(in_step)} {'is' if len(in_step) == 1 else 'are'} in a training step ({what}) "
@@ -722,7 +722,7 @@ def _uneven_inputs_text(state: RunState, calls: dict[int, Collective], involved:
 
 
 #: the `ddp` mark of a traced call -> what it is, in a verdict's words
-_DDP_STEP_CALLS = {
+DDP_STEP_CALLS = {
     "bucket": "DDP's gradient all-reduce in the backward",
     "buffers": "DDP's buffer broadcast before the forward",
     "rebuild": "DDP's bucket rebuild before the forward",
@@ -783,9 +783,7 @@ def mismatch_from_sightings(state: RunState) -> Verdict | None:
         for c in rank.snapshot.inflight:
             table.setdefault((c.pg, c.seq or 0), {})[rank.rank] = c
     for (pg, seq), calls in sorted(table.items(), key=lambda kv: kv[0][1]):
-        if len(calls) < 2:
-            continue
-        if len({f"{c.op} {c.shapes}" for c in calls.values()}) > 1:
+        if len(calls) >= 2 and _records_differ(calls):
             return _mismatch_verdict(state, pg, seq, sorted(calls), [], calls, {"pg": pg, "seq": seq}, [])
     routine = _routine_broken(state)
     if routine is not None:
@@ -804,6 +802,13 @@ def mismatch_from_sightings(state: RunState) -> Verdict | None:
                 [f"injected fault {fault.get('fault')!r} fired on rank {rank.rank} at {fault.get('caller')}"],
             )
     return None
+
+
+def _records_differ(calls: dict[int, Collective]) -> bool:
+    """Whether ranks' records of one call differ: by op, or by shapes where both are known. A
+    timeline row carries no shapes, so a call seen only there has none: that is no difference."""
+    shapes = {repr(c.shapes) for c in calls.values() if c.shapes is not None}
+    return len({c.op for c in calls.values()}) > 1 or len(shapes) > 1
 
 
 def _routine_broken(state: RunState) -> Verdict | None:

@@ -39,7 +39,9 @@ class FatalDump:
 
 def parse_fatal_dump(text: str) -> FatalDump | None:
     """The last dump in `text`: its error and the stack of the thread that received the signal
-    (faulthandler's "Current thread"; the first thread listed when none is marked)."""
+    (faulthandler's "Current thread"). None is marked when the signal struck a thread without
+    Python state (a backend's own thread aborting on a collective mismatch): then the last thread
+    listed, the main thread (faulthandler lists the newest first), where the program's code runs."""
     start = text.rfind(_HEADER)
     if start < 0:
         return None
@@ -53,7 +55,7 @@ def parse_fatal_dump(text: str) -> FatalDump | None:
         match = _FRAME.match(line)
         if match and threads:
             threads[-1][1].append(f"{match['path']}:{match['line']} in {match['func'].strip()}")
-    chosen = next((frames for current, frames in threads if current), threads[0][1] if threads else [])
+    chosen = next((frames for current, frames in threads if current), threads[-1][1] if threads else [])
     return FatalDump(error, tuple(chosen))
 
 

@@ -5,7 +5,7 @@ A small MLP with a BatchNorm (so DDP broadcasts its buffers at every training fo
 on each rank's own shard (no DistributedSampler), EPOCHS epochs of STEPS batches; at each epoch's
 end the loss is averaged over the ranks, rank 0 saves a checkpoint, then a barrier.
 Environment: STEPS (15 per epoch), EPOCHS (2), BATCH (8), AT (the step a bug fires at, 5),
-BN (1; 0 drops the BatchNorm), SAVE_SECONDS (30, with BUG=slow_save), SAME_SHAPES (0, with
+BN (1; 0 drops the BatchNorm), STEP_SECONDS (0: a sleep per step, as more compute), SAVE_SECONDS (30, with BUG=slow_save), SAME_SHAPES (0, with
 BUG=order), BUG, one of:
   val_rank0    rank 0 validates through the DDP model at step AT, without torch.no_grad()
   nan_skip     rank 1's batch at step AT holds an inf; the loop skips non-finite losses
@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 BUG = os.environ.get("BUG", "")
 STEPS, EPOCHS = int(os.environ.get("STEPS", "15")), int(os.environ.get("EPOCHS", "2"))
 BATCH, AT = int(os.environ.get("BATCH", "8")), int(os.environ.get("AT", "5"))
+STEP_SECONDS = float(os.environ.get("STEP_SECONDS", "0"))
 CLASSES = 4
 
 
@@ -87,6 +88,7 @@ def train_epoch(model, optimizer, rank, shard, xval):
         optimizer.zero_grad()
         loss.backward()  # BACKWARD
         optimizer.step()
+        time.sleep(STEP_SECONDS)  # the rest of a real step's compute
         loss_sum, trained = loss_sum + loss.item(), trained + 1
         if BUG == "val_rank0" and rank == 0 and step == AT:
             val = model(xval).mean()  # VALIDATION
