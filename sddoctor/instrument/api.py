@@ -228,6 +228,8 @@ class RankSession:
         if self._exit_written:
             return
         self._exit_written = True
+        if self.heartbeat is not None:
+            self.heartbeat.flush_now()  # the last second of collectives, before the exit event
         status, code = self._exit  # type: ignore[misc]
         self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields())
         self.writer.update_state(status="exited")
