@@ -1,7 +1,8 @@
 """Data parallel over a DeviceMesh, as the composable-API docs write it, launched by torchrun.
 
-torchrun --nproc-per-node 2 mesh_replicate.py
-Environment: STEPS (40), BATCH (16), MODE:
+torchrun --nproc-per-node 2 mesh_replicate.py, or python mesh_replicate.py, which starts its two
+ranks itself with mp.spawn (RANK and WORLD_SIZE set in each worker, init_device_mesh then starts
+the process group). Environment: MASTER_PORT (required with python), STEPS (40), BATCH (16), MODE:
 - "replicate" (default): init_device_mesh("cpu", (world,)), then
   torch.distributed._composable.replicate(model, device_mesh=mesh), an ordinary loop;
 - "dtensor": the parameters distributed with distribute_tensor as Replicate on the mesh, each
@@ -14,6 +15,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import init_device_mesh
@@ -66,5 +68,15 @@ def main():
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def spawned(rank, world_size):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1"
+    )
     main()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        main()
+    else:
+        mp.spawn(spawned, args=(2,), nprocs=2)
