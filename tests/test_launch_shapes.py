@@ -55,6 +55,13 @@ def _cases() -> dict[str, tuple[list[str], str | None, dict[str, str]]]:
             "sleep:rank=1,seconds=600,step=3",
             {**STEPS, "MASTER_PORT": str(free_port())},
         ),
+        # #35 is the all-reduce of the first validation's val_loss (sync_dist=True), which Lightning
+        # issues as the validation loop stores its outputs
+        "lightning-spawn-skip-val": (
+            _python(LIGHTNING),
+            "skip:rank=1,seq=35",
+            {**STEPS, "MASTER_PORT": str(free_port())},
+        ),
         "lightning-spawn-raise": (
             _python(LIGHTNING),
             "raise:rank=1,step=5",
@@ -174,3 +181,14 @@ def test_a_lightning_ddp_spawn_crash_is_at_the_users_fit_line(runs: dict) -> Non
     assert (v["kind"], v["culprit_rank"]) == ("crash", 1), v
     assert v["location"] == script_line("# FIT", LIGHTNING), v
     assert "instrument/api.py" not in v["summary"], v
+
+
+def test_a_skipped_validation_metric_all_reduce_is_a_missing_rank_not_a_dataloader_hang(runs: dict) -> None:
+    """Rank 1 is held in Lightning's `_store_dataloader_outputs`, which reduces the logged metrics:
+    a function named after dataloaders is no DataLoader."""
+    res = _run(runs, "lightning-spawn-skip-val")
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# FIT", LIGHTNING), v
+    assert "all_reduce #35" in v["summary"], v

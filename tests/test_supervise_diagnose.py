@@ -151,6 +151,24 @@ HANG_CASES = [
         id="dataloader-stack",
     ),
     pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(
+                1,
+                issued=6,
+                stack=stack(
+                    "train.py:50",
+                    "/x/site-packages/lightning/fabric/utilities/distributed.py:213 in _sync_ddp",
+                    "/x/site-packages/lightning/pytorch/loops/evaluation_loop.py:386 in _store_dataloader_outputs",
+                ),
+            ),
+        ),
+        "hang.missing_rank",
+        1,
+        "train.py:50",
+        id="a-function-named-after-dataloaders-is-not-one",
+    ),
+    pytest.param(
         hung(rank(0, issued=5), rank(1, issued=5)), "hang.unknown", None, None, id="nobody-in-a-collective"
     ),
     pytest.param(
