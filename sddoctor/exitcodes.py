@@ -37,9 +37,10 @@ TABLE: list[tuple[str, str, str]] = [
     ("0", "all", "success: the job succeeded, nothing wrong was found"),
     (
         "1",
-        "report, check-nccl",
+        "run, report, check-nccl",
         "an error-level finding (report: hang, crash, OOM, diverged replicas, or a failed --preflight; "
-        "check-nccl: a failure, including a hung or crashed collective test)",
+        "check-nccl: a failure, including a hung or crashed collective test; run: a rank crashed "
+        "although the job's command ended 0)",
     ),
     (
         "2",

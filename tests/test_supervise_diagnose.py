@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,6 +149,24 @@ HANG_CASES = [
         1,
         "train.py:50",
         id="dataloader-stack",
+    ),
+    pytest.param(
+        hung(
+            rank(0, inflight=[call(7)]),
+            rank(
+                1,
+                issued=6,
+                stack=stack(
+                    "train.py:50",
+                    "/x/site-packages/lightning/fabric/utilities/distributed.py:213 in _sync_ddp",
+                    "/x/site-packages/lightning/pytorch/loops/evaluation_loop.py:386 in _store_dataloader_outputs",
+                ),
+            ),
+        ),
+        "hang.missing_rank",
+        1,
+        "train.py:50",
+        id="a-function-named-after-dataloaders-is-not-one",
     ),
     pytest.param(
         hung(rank(0, issued=5), rank(1, issued=5)), "hang.unknown", None, None, id="nobody-in-a-collective"
@@ -364,6 +383,35 @@ def test_crash_location_is_the_innermost_user_frame() -> None:
     state = RunState(now=20.0, started=0.0, ranks={r.rank: r for r in ranks}, job_exit={"code": 1, "t": 11})
     (v,) = [v for v in diagnose(state) if v.kind == "crash"]
     assert v.location == "/u/train.py:12"
+
+
+#: a library's file, where this interpreter really installs libraries (not torch's, not sddoctor's)
+LIB = str(Path(pytest.__file__).parent / "strategy.py")
+
+
+def _library_only_crash(spawned_at: str | None) -> RunState:
+    """Rank 0 raised with only library and sddoctor frames on its stack (a worker that Lightning's
+    ddp_spawn runs), spawned from the user's line `spawned_at`."""
+    exception = {
+        "t": 9.9,
+        "type": "InjectedFault",
+        "message": "boom",
+        "traceback": [f"{LIB}:640 in run", f"{LIB}:641 in __call__", f"{SDDOCTOR_API}:3 in f"],
+    }
+    r0 = rank(0, alive=False, exit={"t": 10.0, "code": 1}, exception=exception, spawned_at=spawned_at)
+    r1 = rank(1, alive=False, exit={"t": 10.4, "signal": 15})
+    return RunState(now=20.0, started=0.0, ranks={0: r0, 1: r1}, job_exit={"code": 1, "t": 11})
+
+
+def test_a_crash_without_a_user_frame_is_never_located_in_sddoctor() -> None:
+    (v,) = [v for v in diagnose(_library_only_crash(None)) if v.kind == "crash"]
+    assert v.location == f"{LIB}:641"
+
+
+def test_a_spawned_worker_without_a_user_frame_is_located_where_it_was_started() -> None:
+    (v,) = [v for v in diagnose(_library_only_crash("/u/fit.py:55")) if v.kind == "crash"]
+    assert v.location == "/u/fit.py:55"
+    assert any(f"{LIB}:641" in line for line in v.evidence), v.evidence
 
 
 def test_deaths_after_sddoctor_stopped_the_job_are_not_crashes() -> None:

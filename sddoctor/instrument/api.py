@@ -228,6 +228,8 @@ class RankSession:
         if self._exit_written:
             return
         self._exit_written = True
+        if self.heartbeat is not None:
+            self.heartbeat.flush_now()  # the last second of collectives, before the exit event
         status, code = self._exit  # type: ignore[misc]
         self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields())
         self.writer.update_state(status="exited")
@@ -379,6 +381,13 @@ class RankSession:
 _session: RankSession | None = None
 
 
+def _spawn_fields() -> dict[str, Any]:
+    """A spawned worker's `spawned_at`: the user's line in the parent that started it."""
+    spawn = sys.modules.get("sddoctor.instrument.spawn")
+    line = getattr(spawn, "spawned_at", None)
+    return {"spawned_at": line} if line else {}
+
+
 def enable(
     run_dir: str | os.PathLike[str] | None = None,
     *,
@@ -456,6 +465,7 @@ def _enable(
         code_roots=current_roots().to_dict(),
         comm_env=comm_env(os.environ),
         restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0),  # torchrun --max-restarts: attempt - 1
+        **_spawn_fields(),
         **start_fields,
     )
     flush_pending()

@@ -128,7 +128,51 @@ def install(_module: Any = None) -> bool:
         cls._distributed_broadcast_coalesced = _traced_buffer_broadcast(broadcast)
     _trace_bucket_rebuild()
     add_post_construct(install_comm_hook)
+    from sddoctor.instrument.importhook import when_imported
+
+    when_imported("torch.distributed._composable.replicate", _patch_replicate)
     return True
+
+
+def _patch_replicate(module: Any) -> None:
+    """Have `replicate()` run its DDP's forward pre-hooks before each forward.
+
+    The composable `replicate` builds a DistributedDataParallel over the module's parameters (at
+    the first forward) and drives it through `_pre_forward` from a hook of the user's module, never
+    calling the DDP module itself: the forward pre-hooks sddoctor puts on every DDP (step inference
+    and its faults, the accounting comm hook, a skip fault's hold) would never run."""
+    cls: Any = getattr(module, "_ReplicateState", None)
+    hook = getattr(cls, "forward_pre_hook", None)
+    if hook is None or getattr(hook, "__sddoctor_original__", None) is not None:
+        return
+
+    @functools.wraps(hook)
+    def forward_pre_hook(self: Any, user_module: Any, args: tuple, kwargs: dict) -> Any:
+        if getattr(self, "_init_args", None) or getattr(self, "_init_kwargs", None):
+            self.lazy_init()  # builds the DDP now (the hook would, first thing), so its hooks exist
+        ddp = getattr(self, "_ddp", None)
+        if ddp is not None:
+            args, kwargs = _run_forward_pre_hooks(ddp, args, kwargs)
+        return hook(self, user_module, args, kwargs)
+
+    forward_pre_hook.__sddoctor_original__ = hook  # type: ignore[attr-defined]
+    cls.forward_pre_hook = forward_pre_hook
+
+
+def _run_forward_pre_hooks(ddp: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Run `ddp`'s forward pre-hooks as calling it would, with the arguments they may replace.
+    An injected fault raised by one goes on to the user's forward line, as from a DDP call."""
+    with_kwargs = getattr(ddp, "_forward_pre_hooks_with_kwargs", {})
+    for key, pre_hook in list(getattr(ddp, "_forward_pre_hooks", {}).items()):
+        if key in with_kwargs:
+            result = pre_hook(ddp, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = pre_hook(ddp, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
 
 
 def _reducer_class() -> Any:

@@ -39,6 +39,9 @@ class Heartbeat:
         self._last_summary_t = time.monotonic()
         self._last_summary: dict[str, Any] | None = None
         self.timeline = TimelineRecorder(tracer)
+        # one writer of the timeline and the summary at a time: the heartbeat thread, or a
+        # process on its way out (flush_now)
+        self._writing = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sddoctor-heartbeat", daemon=True)
         writer.add_state_provider(self.state)
@@ -50,9 +53,24 @@ class Heartbeat:
     def tick(self) -> None:
         self.tracer.poll()
         self.beat = time.time()
-        self.timeline.flush(self.writer)
-        if time.monotonic() - self._last_summary_t >= self.summary_interval:
+        with self._writing:
+            self.timeline.flush(self.writer)
+            if time.monotonic() - self._last_summary_t >= self.summary_interval:
+                self.emit_summary()
+
+    def flush_now(self) -> None:
+        """Write the completed calls and the counts of the last interval now: the process ends
+        without atexit (os._exit, with which a worker forked by start_processes ends; a signal),
+        and the heartbeat thread dies with it. Gives up after a second rather than hold the exit."""
+        if not self._writing.acquire(timeout=1.0):
+            return
+        try:
+            self.timeline.flush(self.writer)
             self.emit_summary()
+        except Exception:  # noqa: BLE001 - the exit must happen
+            pass
+        finally:
+            self._writing.release()
 
     def emit_summary(self) -> None:
         """One `collective` event with counts and seconds per op, if anything changed since the last."""
@@ -79,10 +97,9 @@ class Heartbeat:
             self._thread.join(timeout=2.0)
         try:
             self.tracer.poll()
-            self.timeline.flush(self.writer)
-            self.emit_summary()
         except Exception:  # noqa: BLE001 - closing must not raise at exit
             pass
+        self.flush_now()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

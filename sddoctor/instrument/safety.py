@@ -10,6 +10,7 @@ without sddoctor.
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -30,7 +31,7 @@ def is_injected(exc: BaseException) -> bool:
 def internal_error(where: str, exc: BaseException) -> None:
     """Record that sddoctor failed at `where` (once per site). Never raises."""
     try:
-        if where in _reported:
+        if where in _reported or _raised_by_signal_handler(exc):
             return
         _reported.add(where)
         frames = traceback.extract_tb(exc.__traceback__)
@@ -50,6 +51,29 @@ def internal_error(where: str, exc: BaseException) -> None:
             _pending.append(fields)
     except Exception:  # noqa: BLE001 - the last line of defence must not raise either
         pass
+
+
+def _raised_by_signal_handler(exc: BaseException) -> bool:
+    """Whether one of the program's signal handlers raised `exc`: a handler runs wherever the main
+    thread is when the signal comes, inside sddoctor's code too (Lightning's SIGTERM handler
+    broadcasts, and fails once a peer is gone), and its error is the program's, not sddoctor's."""
+    handlers = set()
+    for number in signal.valid_signals():
+        try:
+            handler = signal.getsignal(number)
+        except (OSError, ValueError):
+            continue
+        # a function or bound method has __code__; a callable object, its class's __call__
+        call = type(handler).__call__ if callable(handler) else None
+        code = getattr(handler, "__code__", None) or getattr(call, "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def flush_pending() -> None:

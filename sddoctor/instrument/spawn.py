@@ -44,14 +44,26 @@ def install() -> None:
     when_imported("multiprocessing.process", _patch_process_run)
 
 
-class SpawnedWorker:
-    """A worker function of `mp.spawn`, wrapped: picklable (it holds only the function)."""
+#: in a worker: the user's line in the parent that started the workers (see SpawnedWorker)
+spawned_at: str | None = None
 
-    def __init__(self, fn: Any, nprocs: int | None) -> None:
+
+class SpawnedWorker:
+    """A worker function of `mp.spawn`, wrapped: picklable (it holds only the function, the
+    number of workers and the parent's line that started them).
+
+    `spawned_at` is where a verdict about the worker points when none of the user's code is on its
+    stack: a library that spawns its own workers (Lightning's ddp_spawn runs the whole training
+    loop from its worker function) leaves the user's call (`trainer.fit(...)`) in the parent only."""
+
+    def __init__(self, fn: Any, nprocs: int | None, spawned_at: str | None = None) -> None:
         self.fn = fn
         self.nprocs = nprocs
+        self.spawned_at = spawned_at
 
     def __call__(self, index: int, *args: Any) -> Any:
+        global spawned_at
+        spawned_at = self.spawned_at
         _note(f"pid-{os.getpid()}", {"pid": os.getpid(), "spawn_index": index, "nprocs": self.nprocs})
         try:
             return self.fn(index, *args)
@@ -88,7 +100,7 @@ def _patch_start_processes(module: Any) -> None:
             bound.apply_defaults()
             nprocs = bound.arguments.get("nprocs")
             nprocs = nprocs if isinstance(nprocs, int) else None
-            bound.arguments["fn"] = SpawnedWorker(bound.arguments["fn"], nprocs)
+            bound.arguments["fn"] = SpawnedWorker(bound.arguments["fn"], nprocs, _user_line())
             _note(f"launcher-{os.getpid()}", {"pid": os.getpid(), "nprocs": nprocs})
             args, kwargs = bound.args, bound.kwargs
         except Exception as exc:  # noqa: BLE001 - the user's call goes through unchanged then
@@ -97,6 +109,19 @@ def _patch_start_processes(module: Any) -> None:
 
     start_processes.__sddoctor_original__ = original  # type: ignore[attr-defined]
     module.start_processes = start_processes
+
+
+def _user_line() -> str | None:
+    """'file:line' of the innermost frame of the user's own code calling into here, else None."""
+    from sddoctor.codepaths import current_roots
+
+    roots = current_roots()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if roots.is_user(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
 
 
 def _patch_context_join(module: Any) -> None:

@@ -811,11 +811,24 @@ def _patch(dist: Any, c10d: Any) -> None:
         if original is None or is_traced(original):
             continue
         wrapper = _make_quiet(original, on_init=name == "init_process_group")
-        for module in (c10d, dist):
+        for module in (c10d, dist, *_bound_by_name(name, original)):
             if getattr(module, name, None) is original:
                 _originals.setdefault((module, name), original)
                 setattr(module, name, wrapper)
     _patch_p2p_op(c10d)
+
+
+def _bound_by_name(name: str, original: Any) -> list[Any]:
+    """torch.distributed's own modules, loaded already, that imported `original` by name: the
+    device mesh's module calls its own init_process_group and new_group (`init_device_mesh` starts
+    the process group itself), which wrapping the attributes of c10d does not reach."""
+    return [
+        module
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith("torch.distributed.")
+        and module is not None
+        and getattr(module, "__dict__", {}).get(name) is original
+    ]
 
 
 def _patch_p2p_op(c10d: Any) -> None:

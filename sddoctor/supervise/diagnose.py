@@ -25,6 +25,7 @@ from sddoctor.supervise.diagnose_base import (
     describe_exit,
     exception_location,
     join_ranks,
+    locate_spawned_culprits,
     raised_text,
     unclean_marked,
 )
@@ -64,6 +65,7 @@ def diagnose(state: RunState) -> list[Verdict]:
     verdicts += diagnose_restarts(state)
     if not verdicts:
         verdicts += diagnose_no_collectives(state)
+    locate_spawned_culprits(verdicts, state)
     order = {kind: i for i, kind in enumerate(VERDICT_KINDS)}
     severity = {"error": 0, "warning": 1, "info": 2}
     verdicts.sort(key=lambda v: (severity.get(v.severity, 3), order.get(v.kind, 99)))

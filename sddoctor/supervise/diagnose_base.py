@@ -11,7 +11,7 @@ from typing import Any
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
 from sddoctor.instrument.faults import FaultSpecError, parse_faults
 from sddoctor.supervise.nested_traceback import nested_traceback
-from sddoctor.supervise.state import RankState, RunState
+from sddoctor.supervise.state import RankState, RunState, Verdict
 
 #: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
 PEER_FAILURE = re.compile(
@@ -51,6 +51,25 @@ def roots_of(rank: RankState | None = None) -> CodeRoots:
     return mine.merged(CodeRoots.from_dict(rank.code_roots)) if rank is not None else mine
 
 
+def locate_spawned_culprits(verdicts: list[Verdict], state: RunState) -> None:
+    """Point a verdict at the user's line that started its culprit when the culprit's own stack
+    and traceback hold none of the user's code: a library that spawns its workers and runs the
+    whole loop from its worker function (Lightning's ddp_spawn) leaves `trainer.fit(...)` in the
+    parent only, and the innermost frame is a library's (or sddoctor's, where a fault fired)."""
+    for verdict in verdicts:
+        rank = state.ranks.get(verdict.culprit_rank) if verdict.culprit_rank is not None else None
+        if rank is None or not rank.spawned_at:
+            continue
+        if verdict.location and roots_of(rank).is_user(frame_path(verdict.location)):
+            continue
+        if verdict.location:
+            verdict.evidence.append(
+                f"rank {rank.rank} ran none of your code there ({verdict.location}): the location is "
+                "your line that started the workers"
+            )
+        verdict.location = rank.spawned_at
+
+
 def exception_location(exc: dict[str, Any] | None, rank: RankState | None = None) -> str | None:
     """file:line of the innermost frame of the user's own code of an `exception` event.
 
@@ -67,7 +86,10 @@ def exception_location(exc: dict[str, Any] | None, rank: RankState | None = None
     if isinstance(caller, str) and caller and roots.is_user(frame_path(caller)):
         return caller
     frames = [f for f in exc.get("traceback") or [] if isinstance(f, str)]
-    chosen = first_user_frame(frames, roots) or (frames[-1] if frames else None)
+    # without a frame of the user's, the innermost library frame that is not torch's or sddoctor's
+    # (where an injected fault was raised is no place to look)
+    outside = [f for f in frames if not roots.is_internal(frame_path(f))]
+    chosen = first_user_frame(frames, roots) or (outside or frames or [None])[-1]
     if chosen:
         return chosen.split(" in ")[0].strip()
     return str(caller) if caller else None

@@ -92,7 +92,9 @@ def in_dataloader(rank: RankState) -> bool:
     if rank.snapshot.phase == "data":
         return True
     frames = (rank.stack or {}).get("frames") or []
-    return any(_DATALOADER_FRAME.search(str(f)) for f in frames)
+    # by the frame's file, not its function: Lightning's evaluation loop has a
+    # `_store_dataloader_outputs` that reduces the logged metrics in a collective
+    return any(_DATALOADER_FRAME.search(frame_path(str(f))) for f in frames)
 
 
 def diagnose_hang(state: RunState) -> list[Verdict]:

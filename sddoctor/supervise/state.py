@@ -106,6 +106,8 @@ class RankState:
     internal_errors: list[dict[str, Any]] = field(default_factory=list)
     #: Where this rank's Python keeps its libraries (from its `start` event; see sddoctor.codepaths).
     code_roots: dict[str, Any] | None = None
+    #: A spawned worker's `spawned_at` (its `start` event): the user's line that started the workers.
+    spawned_at: str | None = None
     #: The last fatal-signal dump (`fatal_dump.FatalDump.to_dict()`): {error, frames innermost first}.
     fatal: dict[str, Any] | None = None
     #: Earlier processes of this rank (torchrun --max-restarts): {pid, exception, exit, step}, oldest first.

@@ -401,6 +401,10 @@ class Supervisor:
             outcome = "ok" if code == 0 else "failed"
             if self.hang_verdicts:
                 outcome = "hang" if code != 0 else "ok"
+            elif code == 0 and _rank_died(self.verdicts):
+                # A launcher that does not pass its ranks' failures on (a shell script's bare
+                # `wait`) ended 0 although a rank died: the run failed all the same.
+                code, outcome = exitcodes.FINDINGS, "failed"
         write_facts(self.opts.run_dir, {**facts, "outcome": outcome, "exit_code": code})
         report = self._write(state, outcome=outcome, exit_code=code)
         self._publish()
@@ -520,6 +524,14 @@ def _gpu_source() -> object | None:
         return NvmlSource(pcie_interval=0, open_in_background=True)
     except Exception:  # noqa: BLE001 - GPU series are optional
         return None
+
+
+#: verdicts of a rank that died or ended before its peers (not a hang, not a warning)
+_DEATHS = ("crash", "exited_early", "oom")
+
+
+def _rank_died(verdicts: list[Verdict]) -> bool:
+    return any(v.kind in _DEATHS and v.severity == "error" for v in verdicts)
 
 
 def _shell_code(code: int | None) -> int:

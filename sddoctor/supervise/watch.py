@@ -200,6 +200,8 @@ class Watcher:
         elif kind == "start":
             if isinstance(event.get("code_roots"), dict):
                 rank.code_roots = event["code_roots"]
+            if isinstance(event.get("spawned_at"), str):
+                rank.spawned_at = event["spawned_at"]
             if isinstance(event.get("world_size"), int):
                 self.world_size = event["world_size"]
             pid = event.get("pid")
