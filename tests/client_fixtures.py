@@ -114,7 +114,8 @@ _PEER_GONE = re.compile(
 
 def sddoctor_tracebacks(text: str) -> list[str]:
     """Tracebacks in `text` of an exception that sddoctor's own code raised (not an injected fault,
-    not a communication error after a peer died): each as its text."""
+    not a communication error after a peer died, not the stop's Ctrl-C reaching a rank that a skip
+    fault holds inside sddoctor's code): each as its text."""
     bad = []
     all_lines = text.splitlines()
     for first, line in enumerate(all_lines):
@@ -140,7 +141,8 @@ def sddoctor_tracebacks(text: str) -> list[str]:
         block = "\n".join(lines[start:stop])
         message = "\n".join(lines[end:stop])
         ours = (bool(frames) and frames[-1].startswith(SDDOCTOR_DIR)) or SDDOCTOR_DIR in message
-        if ours and not ("InjectedFault" in message or _PEER_GONE.search(message)):
+        interrupted = message.startswith("KeyboardInterrupt")
+        if ours and not ("InjectedFault" in message or interrupted or _PEER_GONE.search(message)):
             bad.append(block)
     return bad
 
