@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from sddoctor.instrument.safety import internal_error
@@ -116,7 +117,7 @@ def _user_line() -> str | None:
     from sddoctor.codepaths import current_roots
 
     roots = current_roots()
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if roots.is_user(frame.f_code.co_filename):
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
