@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervise_fixtures import Supervised
+
 import sddoctor
 from conftest import REPO_ROOT, free_port
 
@@ -110,6 +112,14 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
 _PEER_GONE = re.compile(
     r"connection (closed|reset)|peer|broken pipe|SignalException|got signal", re.IGNORECASE
 )
+
+
+def assert_no_sddoctor_traceback(res: Supervised) -> None:
+    """Neither sddoctor's output nor the ranks' (the run folder's stderr.log) holds a traceback
+    of an error raised by sddoctor's own code."""
+    log = res.run_dir / "stderr.log"
+    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
+    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
 
 
 def sddoctor_tracebacks(text: str) -> list[str]:

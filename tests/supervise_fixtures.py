@@ -12,15 +12,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
 from conftest import REPO_ROOT, subprocess_env
 
 SCRIPT = REPO_ROOT / "tests" / "supervise_script.py"
+
+Result = TypeVar("Result")
 
 
 def script_line(marker: str, script: Path = SCRIPT) -> str:
@@ -101,6 +105,22 @@ def run_supervised(
         survivors = tree.end()
     assert not survivors, f"processes outlived sddoctor run: {[p.pid for p in survivors]}"
     return Supervised(proc.returncode, out_file.read_text(), err_file.read_text(), run_dir, set(tree.seen))
+
+
+def run_side_by_side(
+    root: Path, names: Iterable[str], run_one: Callable[[str, Path], Result], workers: int = 2
+) -> dict[str, Result]:
+    """`run_one(name, folder)` for each name, `workers` at a time, each in a folder of its own
+    under `root`: a module's runs overlap their start-up and hang timeouts (the CI machine has 2
+    cores, so more than 2-3 at once only slows each)."""
+
+    def one(name: str) -> tuple[str, Result]:
+        folder = root / name
+        folder.mkdir()
+        return name, run_one(name, folder)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(pool.map(one, names))
 
 
 def run_nodes(

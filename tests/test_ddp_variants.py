@@ -6,13 +6,12 @@ The two runs start side by side in one module-scoped fixture; each test reads it
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from client_fixtures import CLIENTS, sddoctor_tracebacks
-from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+from client_fixtures import CLIENTS, assert_no_sddoctor_traceback
+from supervise_fixtures import Supervised, run_side_by_side, run_supervised, script_line, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,23 +30,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
         "two-phases": (TWO_PHASES, "kill:rank=1,step=9"),
     }
 
-    def one(name: str) -> tuple[str, Supervised]:
+    def one(name: str, where: Path) -> Supervised:
         script, fault = cases[name]
-        where = root / name
-        where.mkdir()
         env = {"OMP_NUM_THREADS": "1", "CKPT_DIR": str(where)}
-        return name, run_supervised(
+        return run_supervised(
             where, torchrun(2, str(script)), options=HANG, fault=fault, env=env, timeout=150
         )
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, cases))
-
-
-def _no_sddoctor_traceback(res: Supervised) -> None:
-    log = res.run_dir / "stderr.log"
-    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
-    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
+    return run_side_by_side(root, cases, one)
 
 
 def test_a_rank_late_to_a_forward_with_buffers_is_named(runs: dict[str, Any]) -> None:
@@ -60,7 +50,7 @@ def test_a_rank_late_to_a_forward_with_buffers_is_named(runs: dict[str, Any]) ->
     assert v["location"] == script_line("# FORWARD", TORCHVISION), v
     # two steps of 6 buffer broadcasts and gradient all-reduces came before
     assert v["details"]["seq"] == 5, v
-    _no_sddoctor_traceback(res)
+    assert_no_sddoctor_traceback(res)
 
 
 def test_the_second_phases_model_has_its_steps_counted(runs: dict[str, Any]) -> None:
@@ -73,7 +63,7 @@ def test_the_second_phases_model_has_its_steps_counted(runs: dict[str, Any]) -> 
     steps = [s["step"] for s in res.events(0, "step")]
     assert steps == list(range(1, 9)), steps
     assert "never fired" not in res.stderr
-    _no_sddoctor_traceback(res)
+    assert_no_sddoctor_traceback(res)
 
 
 def test_a_straggler_behind_its_data_parallel_pair_is_named(tmp_path: Path) -> None:
@@ -95,7 +85,7 @@ def test_a_straggler_behind_its_data_parallel_pair_is_named(tmp_path: Path) -> N
     assert v["location"] == script_line("# FORWARD", script), v
     for rank in range(4):
         assert [s["step"] for s in res.events(rank, "step")] == list(range(1, 51))
-    _no_sddoctor_traceback(res)
+    assert_no_sddoctor_traceback(res)
 
 
 def test_a_skipped_async_all_reduce_is_named_before_the_later_blocking_call(tmp_path: Path) -> None:
@@ -121,4 +111,4 @@ def test_a_skipped_async_all_reduce_is_named_before_the_later_blocking_call(tmp_
         "caller": script_line("# ASYNC", script),
     }, v
     assert f"all_reduce #18 on pg 0 (called at {script_line('# ASYNC', script)})" in v["summary"], v
-    _no_sddoctor_traceback(res)
+    assert_no_sddoctor_traceback(res)

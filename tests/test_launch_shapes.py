@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from client_fixtures import CLIENTS, sddoctor_tracebacks
-from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+from client_fixtures import CLIENTS, assert_no_sddoctor_traceback
+from supervise_fixtures import Supervised, run_side_by_side, run_supervised, script_line, torchrun
 
 from conftest import free_port
 
@@ -75,27 +74,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
     root = tmp_path_factory.mktemp("launch-shapes")
     cases = _cases()
 
-    def one(name: str) -> tuple[str, Supervised]:
+    def one(name: str, where: Path) -> Supervised:
         job, fault, env = cases[name]
-        where = root / name
-        where.mkdir()
         options = ("--hang-timeout", "5", "--on-hang", "kill")
-        res = run_supervised(where, job, options=options, fault=fault, env=env, timeout=150)
-        return name, res
+        return run_supervised(where, job, options=options, fault=fault, env=env, timeout=150)
 
     # the longest first: Lightning's start, then the hangs (each waits out --hang-timeout)
     slow_first = sorted(
         cases, key=lambda name: ("lightning" not in name, "sleep" not in name and "skip" not in name)
     )
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, slow_first))
+    return run_side_by_side(root, slow_first, one)
 
 
 def _run(runs: dict[str, Supervised], name: str) -> Supervised:
     res = runs[name]
-    log = res.run_dir / "stderr.log"
-    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
-    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
+    assert_no_sddoctor_traceback(res)
     assert res.report["world_size"] == 2, res.report
     assert sorted(res.report["ranks"]) == ["0", "1"], list(res.report["ranks"])
     return res

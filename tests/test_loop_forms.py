@@ -15,13 +15,12 @@ sddoctor's own hook, installed at that forward, and DDP refused the second one: 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from client_fixtures import CLIENTS, sddoctor_tracebacks
-from supervise_fixtures import Supervised, run_supervised, torchrun
+from supervise_fixtures import Supervised, run_side_by_side, run_supervised, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -50,16 +49,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
     root = tmp_path_factory.mktemp("forms")
     job = torchrun(2, "--standalone", str(SCRIPT))
 
-    def one(form: str) -> tuple[str, Supervised]:
-        where: Path = root / form
-        where.mkdir()
+    def one(form: str, where: Path) -> Supervised:
         env = {"FORM": form, "STEPS": str(STEPS), "BATCH": str(BATCH), "OMP_NUM_THREADS": "1"}
         options = ("--hang-timeout", "60", "--port", "0")
         command = [*job[:-1], str(OTHER_SCRIPTS[form])] if form in OTHER_SCRIPTS else job
-        return form, run_supervised(where, command, options=options, env=env, timeout=240)
+        return run_supervised(where, command, options=options, env=env, timeout=240)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, [*FORMS, *OTHER_SCRIPTS]))
+    return run_side_by_side(root, [*FORMS, *OTHER_SCRIPTS], one)
 
 
 @pytest.mark.parametrize("form", list(FORMS))

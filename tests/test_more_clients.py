@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from client_fixtures import CLIENTS, sddoctor_tracebacks
-from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+from client_fixtures import CLIENTS, assert_no_sddoctor_traceback
+from supervise_fixtures import Supervised, run_side_by_side, run_supervised, script_line, torchrun
 
 from conftest import subprocess_env
 
@@ -46,18 +45,16 @@ CASES: dict[str, tuple[Path, str | None, dict[str, str]]] = {
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised | str]:
     root = tmp_path_factory.mktemp("more-clients")
 
-    def one(name: str) -> tuple[str, Supervised | str]:
-        where = root / name
-        where.mkdir()
+    def one(name: str, where: Path) -> Supervised | str:
         if name == "zero-plain":  # the same program without sddoctor: its results to compare
             env = subprocess_env(OMP_NUM_THREADS="1", STEPS="12")
             cmd = [*torchrun(2, "--standalone", str(ZERO))]
             done = subprocess.run(cmd, env=env, cwd=where, capture_output=True, text=True, timeout=120)
-            return name, done.stdout
+            return done.stdout
         script, fault, extra = CASES[name]
         env = {"OMP_NUM_THREADS": "1", **extra}
         options = ("--hang-timeout", "30") if name == "monitored-timeout" else HANG
-        return name, run_supervised(
+        return run_supervised(
             where,
             torchrun(2, "--standalone", str(script)),
             options=options,
@@ -66,16 +63,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised | str
             timeout=150,
         )
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, [*CASES, "zero-plain"]))
+    return run_side_by_side(root, [*CASES, "zero-plain"], one)
 
 
 def _run(runs: dict[str, Supervised | str], name: str) -> Supervised:
     res = runs[name]
     assert isinstance(res, Supervised)
-    log = res.run_dir / "stderr.log"
-    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
-    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
+    assert_no_sddoctor_traceback(res)
     return res
 
 

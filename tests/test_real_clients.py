@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from client_fixtures import CLIENTS_BY_NAME, sddoctor_tracebacks
-from supervise_fixtures import Supervised, run_supervised
+from supervise_fixtures import Supervised, run_side_by_side, run_supervised
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -63,21 +62,16 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     client = CLIENTS_BY_NAME[request.param]
     root = tmp_path_factory.mktemp(client.name)
 
-    def one(fault_name: str) -> tuple[str, Supervised]:
+    def one(fault_name: str, where: Path) -> Supervised:
         fault, env, options = FAULTS[fault_name]
         if fault_name == "straggler" and client.name in STRAGGLER_STEPS:
             env = {**env, "STEPS": STRAGGLER_STEPS[client.name]}
-        where = root / fault_name
-        where.mkdir()
         spec = fault.format(grad=client.grad_seq, barrier=client.barrier_seq) if fault else None
         env = client.environment(**env)
-        return fault_name, run_supervised(
-            where, client.command(), options=options, fault=spec, env=env, timeout=240
-        )
+        return run_supervised(where, client.command(), options=options, fault=spec, env=env, timeout=240)
 
     faults = [f for f in FAULTS if client.name in ONLY.get(f, (client.name,))]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return {"client": client, **dict(pool.map(one, faults))}
+    return {"client": client, **run_side_by_side(root, faults, one)}
 
 
 def _verdicts(res: Supervised, kind: str) -> list[dict[str, Any]]:

@@ -7,11 +7,11 @@ The runs start side by side in one module-scoped fixture; each test reads one re
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
-from client_fixtures import CLIENTS, sddoctor_tracebacks
-from supervise_fixtures import Supervised, run_supervised, script_line, torchrun
+from client_fixtures import CLIENTS, assert_no_sddoctor_traceback
+from supervise_fixtures import Supervised, run_side_by_side, run_supervised, script_line, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -34,22 +34,17 @@ CASES: dict[str, dict[str, str]] = {
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
     root = tmp_path_factory.mktemp("user-bugs")
 
-    def one(name: str) -> tuple[str, Supervised]:
-        where = root / name
-        where.mkdir()
+    def one(name: str, where: Path) -> Supervised:
         job = torchrun(2, "--standalone", str(SCRIPT))
         options = ("--hang-timeout", "5", "--on-hang", "kill")
-        return name, run_supervised(where, job, options=options, env={**BASE, **CASES[name]}, timeout=150)
+        return run_supervised(where, job, options=options, env={**BASE, **CASES[name]}, timeout=150)
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        return dict(pool.map(one, CASES))
+    return run_side_by_side(root, CASES, one, workers=3)
 
 
 def _run(runs: dict[str, Supervised], name: str, returncode: int = 124) -> Supervised:
     res = runs[name]
-    log = res.run_dir / "stderr.log"
-    bad = sddoctor_tracebacks(res.stderr + (log.read_text() if log.exists() else ""))
-    assert not bad, "sddoctor raised inside a rank:\n" + "\n\n".join(bad)
+    assert_no_sddoctor_traceback(res)
     assert res.returncode == returncode, res.stderr[-3000:]
     return res
 

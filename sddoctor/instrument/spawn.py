@@ -27,7 +27,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from sddoctor.instrument.safety import internal_error
@@ -114,15 +113,9 @@ def _patch_start_processes(module: Any) -> None:
 
 def _user_line() -> str | None:
     """'file:line' of the innermost frame of the user's own code calling into here, else None."""
-    from sddoctor.codepaths import current_roots
+    from sddoctor.instrument.tracing import user_caller
 
-    roots = current_roots()
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if roots.is_user(frame.f_code.co_filename):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
+    return user_caller(library_fallback=False)
 
 
 def _patch_context_join(module: Any) -> None:

@@ -955,15 +955,16 @@ def _kind_of(code: Any) -> int:
     return kind
 
 
-def _caller_frame(frame: Any) -> Any:
-    """The innermost frame of the user's own code above `frame`; else the first one outside torch and
-    sddoctor (a library's, e.g. accelerate's); else None. The verdict per code object is cached."""
+def _caller_frame(frame: Any, library_fallback: bool = True) -> Any:
+    """The innermost frame of the user's own code above `frame`; else (with `library_fallback`) the
+    first one outside torch and sddoctor (a library's, e.g. accelerate's); else None. The verdict
+    per code object is cached."""
     fallback = None
     while frame is not None:
         kind = _kind_of(frame.f_code)
         if kind == _USER:
             return frame
-        if kind == _LIBRARY and fallback is None:
+        if library_fallback and kind == _LIBRARY and fallback is None:
             fallback = frame
         frame = frame.f_back
     return fallback
@@ -1022,9 +1023,9 @@ def caller_of_backward() -> tuple[str, int] | None:
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
 
 
-def user_caller() -> str | None:
+def user_caller(library_fallback: bool = True) -> str | None:
     """'file:line' of the innermost user frame of the calling thread (see `_caller_frame`)."""
-    frame = _caller_frame(sys._getframe(1))
+    frame = _caller_frame(sys._getframe(1), library_fallback)
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else None
 
 
