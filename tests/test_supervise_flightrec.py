@@ -125,3 +125,50 @@ def test_safe_loads_refuses_anything_callable():
     }
     with pytest.raises(ValueError):
         flightrec.safe_loads(pickle.dumps({"a": 1})[:-3])  # truncated
+
+
+def test_the_backend_of_a_group_started_without_one_is_its_device_map(tmp_path):
+    """`init_process_group()` with no backend: torch names the group's backend "undefined" and
+    gives it one per device type; the rank reports that map, not "undefined"."""
+    code = (
+        "import os, sys, torch.distributed as dist\n"
+        "from sddoctor.instrument.flight_recorder import default_backend\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1], RANK='0', WORLD_SIZE='1')\n"
+        "print(default_backend())\n"
+        "for form in (None, 'cpu:gloo', 'gloo'):\n"
+        "    dist.init_process_group(form)\n"
+        "    print(dist.get_backend(), default_backend(), dist.get_backend_config())\n"
+        "    dist.destroy_process_group()\n"
+    )
+    from conftest import free_port
+
+    out = subprocess.run([sys.executable, "-c", code, str(free_port())], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert lines[0] == ["None"]  # no process group yet
+    (raw, reported, config), cpu_gloo, gloo = lines[1:]
+    assert (raw, reported) == ("undefined", config) and "cpu:gloo" in config
+    assert cpu_gloo[1] == "cpu:gloo" and gloo[1] == "gloo"
+
+
+def test_an_nccl_group_started_without_a_backend_is_dumped(monkeypatch):
+    """On a GPU build `init_process_group()` gives "cpu:gloo,cuda:nccl": its flight recorder is
+    NCCL's and is dumped (before, the name "undefined" made the dump a no-op)."""
+    import torch.distributed as dist
+
+    from sddoctor.instrument import flight_recorder
+
+    monkeypatch.setenv(flight_recorder.PIPE_FILE_ENV, "/nonexistent/pipe_")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    dumped: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        flight_recorder, "trigger_dump", lambda prefix, rank: dumped.append((prefix, rank)) or True
+    )
+    assert flight_recorder.dump_flight_recorder() is True
+    assert dumped == [("/nonexistent/pipe_", 3)]
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo")
+    assert flight_recorder.dump_flight_recorder() is False and len(dumped) == 1

@@ -351,10 +351,11 @@ class RankSession:
         elif world != self.world_size:
             self.world_size = world
             self.writer.update_state(world_size=world)
-        try:
-            self.writer.update_state(backend=str(dist.get_backend()))
-        except Exception:  # noqa: BLE001
-            pass
+        from sddoctor.instrument.flight_recorder import default_backend
+
+        backend = default_backend()
+        if backend is not None:
+            self.writer.update_state(backend=backend)
         inference = self._step_inference()
         if inference is not None:
             inference.watch_optimizers()  # steps for a program that trains no DDP model

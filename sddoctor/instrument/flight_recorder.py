@@ -111,13 +111,29 @@ def dump_flight_recorder() -> bool:
 
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    try:
-        backend = str(dist.get_backend())
-    except Exception:  # noqa: BLE001
-        return False
-    if "nccl" not in backend:
+    if "nccl" not in (default_backend() or ""):
         return False
     return trigger_dump(prefix, dist.get_rank())
+
+
+def default_backend() -> str | None:
+    """The default process group's backend as the program chose it, None without one.
+
+    `init_process_group()` with no backend leaves torch's name for it "undefined" and gives the
+    group one backend per device type: its config ("cpu:gloo,cuda:nccl") is the name then, so that
+    an NCCL group started that way is still seen as NCCL.
+    """
+    import torch.distributed as dist
+
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        backend = str(dist.get_backend())
+        if backend == "undefined":
+            backend = str(dist.get_backend_config())
+        return backend
+    except Exception:  # noqa: BLE001 - a torch without get_backend_config, a group torn down meanwhile
+        return None
 
 
 def dump_files(run_dir: str | os.PathLike[str]) -> dict[int, Path]:
