@@ -89,9 +89,7 @@ def exception_location(exc: dict[str, Any] | None, rank: RankState | None = None
     # without a frame of the user's, the innermost library frame that is not torch's or sddoctor's
     # (where an injected fault was raised is no place to look)
     outside = [f for f in frames if not roots.is_internal(frame_path(f))]
-    chosen = first_user_frame(frames, roots) or (outside[-1] if outside else None) or (
-        frames[-1] if frames else None
-    )
+    chosen = first_user_frame(frames, roots) or next(reversed(outside or frames), None)
     if chosen:
         return chosen.split(" in ")[0].strip()
     return str(caller) if caller else None
