@@ -22,6 +22,7 @@ from test_trainer_data import write_truncated_jpeg
 from conftest import free_port, subprocess_env
 from trainer.cache import build_cache, module_fingerprint, sample_latents
 from trainer.data import DataConfig, DataError, SampleKey, build_dataloader, build_dataset, flip_decision
+from trainer.vae_encode import encode_in_calls, images_per_call
 
 RESOLUTION = 16  # the tiny VAE halves it: latents are 4 x 8 x 8
 MAX_TOKENS = 12
@@ -210,6 +211,80 @@ def test_cache_contents_reuse_and_invalidation(tmp_path: Path) -> None:
         assert torch.allclose(item["latent_mean"], expected, atol=1e-5)
     entries = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name != "verified")
     assert len(entries) == 4 and not any(p.name.startswith(".") for p in (tmp_path / "cache").rglob("*"))
+
+
+class OutOfMemoryAbove:
+    """Wraps vae.encode: records each call's image count and raises CUDA's out-of-memory error
+    for calls of more than `limit` images, as a card too small for them would."""
+
+    def __init__(self, vae: torch.nn.Module, limit: int) -> None:
+        self.sizes: list[int] = []
+        self.limit = limit
+        self._encode = vae.encode
+        vae.encode = self  # type: ignore[method-assign]
+
+    def __call__(self, pixels: torch.Tensor, *args, **kwargs):
+        self.sizes.append(pixels.shape[0])
+        if pixels.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return self._encode(pixels, *args, **kwargs)
+
+
+def test_images_per_call_follows_the_pixel_budget() -> None:
+    assert images_per_call(512, 512) == 16
+    assert images_per_call(768, 768) == 7
+    assert images_per_call(1024, 1024) == 4
+    assert images_per_call(4096, 4096) == 1  # never zero, however large the image
+    assert images_per_call(512, 768, budget=512 * 768 * 3) == 3
+
+
+def test_a_step_encodes_a_large_micro_batch_in_calls_equal_to_one_call(tmp_path: Path) -> None:
+    _, vae, _ = tiny_models(tmp_path / "tok")
+    pixels = torch.rand(7, 3, RESOLUTION, RESOLUTION) * 2 - 1
+    calls = OutOfMemoryAbove(vae, limit=7)
+    with torch.no_grad():
+        whole_mean, whole_std = encode_in_calls(vae, pixels)
+        mean, std = encode_in_calls(vae, pixels, per_call=3)
+    assert calls.sizes == [7, 3, 3, 1]
+    assert torch.allclose(mean, whole_mean, atol=1e-5) and torch.allclose(std, whole_std, atol=1e-5)
+
+
+def test_cache_encodes_within_the_pixel_budget_and_halves_on_out_of_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer, vae, text_encoder = tiny_models(tmp_path / "tok")
+    data = write_folder(tmp_path / "data", 7)
+
+    def build(cache: str):
+        cfg = DataConfig(source=str(data), resolution=RESOLUTION, random_flip=True, cache_dir=cache)
+        return build_cache(build_dataset(cfg, seed=1), vae, text_encoder, tokenizer, cfg, "cpu", batch_size=4)
+
+    reference = build(str(tmp_path / "whole"))  # 16 px images: the default budget takes any batch
+    monkeypatch.setattr("trainer.vae_encode.ENCODE_PIXELS", 5 * RESOLUTION * RESOLUTION)
+    calls = OutOfMemoryAbove(vae, limit=2)
+    cached = build(str(tmp_path / "split"))
+    # Batches of 4 and 3 images, each with its flips: 8 then 6 to encode, 5 per call by the
+    # budget; the first call runs out of memory, so 2 per call from then on, also for batch two.
+    assert calls.sizes == [5, 2, 2, 2, 2, 2, 2, 2]
+    assert cached.stats.key == reference.stats.key
+    for epoch in range(2):
+        for index in range(7):
+            got, want = cached[SampleKey(index, epoch)], reference[SampleKey(index, epoch)]
+            assert torch.allclose(got["latent_mean"], want["latent_mean"], atol=1e-5)
+            assert torch.allclose(got["latent_std"], want["latent_std"], atol=1e-5)
+
+
+def test_cache_reraises_when_one_image_does_not_fit_and_leaves_no_entry(tmp_path: Path) -> None:
+    tokenizer, vae, text_encoder = tiny_models(tmp_path / "tok")
+    cfg = DataConfig(
+        source=str(write_folder(tmp_path / "data", 3)), resolution=RESOLUTION, cache_dir=str(tmp_path / "c")
+    )
+    calls = OutOfMemoryAbove(vae, limit=0)
+    with pytest.raises(torch.OutOfMemoryError):
+        build_cache(build_dataset(cfg), vae, text_encoder, tokenizer, cfg, "cpu", batch_size=4)
+    assert calls.sizes == [3, 1]
+    assert not list((tmp_path / "c").rglob("manifest.json"))
+    assert not [p for p in (tmp_path / "c").rglob("*.npy")]
 
 
 @pytest.mark.cuda

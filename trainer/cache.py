@@ -67,6 +67,7 @@ from trainer.data import (
     default_cache_root,
     flip_decision,
 )
+from trainer.vae_encode import FallbackEncoder
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
@@ -349,6 +350,7 @@ def _encode_group(
     )
     errors: list[str] = []
     in_dtype = _model_dtype(vae)
+    encode = FallbackEncoder(vae)
     rows = len(indices)
     writer.write("index" + suffix, 0, np.asarray(list(indices), dtype=np.int64), rows)
     offset = 0
@@ -358,8 +360,8 @@ def _encode_group(
         if with_flip:  # flip after crop == crop of the flipped image at the mirrored offset
             pixels = torch.cat([pixels, pixels.flip(-1)])
         with torch.no_grad(), _precision(vae, device, dtype):
-            latent_dist = vae.encode(pixels).latent_dist
-        mean, std = latent_dist.mean.to(dtype), latent_dist.std.to(dtype)
+            mean, std = encode(pixels)
+        mean, std = mean.to(dtype), std.to(dtype)
         n = len(batch["index"])
         writer.write("source" + suffix, offset, batch["source"].numpy(), rows)
         writer.write("mean" + suffix, offset, mean[:n], rows)

@@ -28,6 +28,7 @@ from sddoctor.instrument import api as sdi
 from trainer.config import Config
 from trainer.lora import text_encoder_trains
 from trainer.models import Models
+from trainer.vae_encode import encode_in_calls
 from trainer.vae_fit import latent_shape
 
 
@@ -112,8 +113,8 @@ class DiffusionObjective:
             if "latent_mean" in mb:
                 latents = mb["latent_mean"] + mb["latent_std"] * mb["latent_noise"]
             else:
-                posterior = models.vae.encode(mb["pixel_values"].to(self.frozen_dtype)).latent_dist
-                latents = posterior.mean.float() + posterior.std.float() * mb["latent_noise"]
+                mean, std = encode_in_calls(models.vae, mb["pixel_values"].to(self.frozen_dtype))
+                latents = mean.float() + std.float() * mb["latent_noise"]
             latents = latents * self.scaling
             condition = self._condition(mb)
             t = mb["timesteps"]
