@@ -326,6 +326,50 @@ def test_cache_on_cuda_in_bfloat16_agrees_with_cpu(tmp_path: Path) -> None:
     assert batch["latent_mean"].is_pinned() and batch["latent_mean"].shape == (3, 4, 8, 8)
 
 
+# Runs in a child process: the allocator cap it sets holds for the rest of a process.
+REAL_OOM_CHILD = """
+import torch
+from trainer.models import ARCHITECTURES, build_vae
+from trainer.vae_encode import FallbackEncoder
+vae = build_vae(ARCHITECTURES["sd2-base"]["vae"]).to("cuda").eval()
+pixels = torch.rand(16, 3, 512, 512, device="cuda") * 2 - 1
+torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+base = torch.cuda.memory_allocated()
+with torch.no_grad():
+    singles = [vae.encode(pixels[i : i + 1]).latent_dist.mean for i in range(16)]
+per_image = torch.cuda.max_memory_allocated() - base
+expected = torch.cat(singles)
+torch.cuda.empty_cache()
+cap = torch.cuda.memory_allocated() + 6 * per_image  # 4 images per call fit, 8 do not
+torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
+encode = FallbackEncoder(vae)
+with torch.no_grad():
+    mean, std = encode(pixels)
+error = ((mean - expected).abs().max() / expected.abs().max()).item()  # relative: TF32 convs
+print(f"per_call={encode.per_call} error={error:.2e} shape={tuple(mean.shape)}")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cache_encoder_recovers_from_a_real_cuda_out_of_memory() -> None:
+    """SD2's VAE at 512 px under an allocator cap that fits 4 images a call: 16 then 8 run out of
+    memory for real, 4 encodes, and the latents match encoding each image alone."""
+    done = subprocess.run(
+        [sys.executable, "-c", REAL_OOM_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ran out of GPU memory; encoding 8 at a time" in done.stderr
+    assert "ran out of GPU memory; encoding 4 at a time" in done.stderr
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("per_call=4 ") and "shape=(16, 4, 64, 64)" in line, line
+    assert float(line.split("error=")[1].split()[0]) < 1e-2, line
+
+
 def _rank_main(rank: int, world_size: int, port: int, root: Path) -> None:
     """One rank of the sharded-cache test: build (miss), build again (hit), change data, build (miss)."""
     import torch.distributed as dist
