@@ -71,6 +71,18 @@ def test_a_restart_after_a_rank_was_killed_names_that_rank(tmp_path: Path, helpe
     assert not any(v["culprit_rank"] == 0 for v in res.verdicts("crash") if "reset by peer" in v["summary"])
 
 
+@pytest.mark.slow  # as above
+def test_a_restart_after_an_injected_kill_says_it_was_injected(tmp_path: Path) -> None:
+    # the kill fault fires in each attempt; the first attempt's rank 1 leaves no exit record, and
+    # the restart names the signal the fault sent and the line it fired at, not "killed hard?"
+    res = _run(tmp_path, "--max-restarts=1", SDDOCTOR_FAULT="kill:rank=1,seq=6")
+    (v,) = res.verdicts("restarted")
+    assert v["culprit_rank"] == 1 and v["details"]["attempt"] == 1, v
+    assert "was killed by signal 9 (SIGKILL) (injected by SDDOCTOR_FAULT)" in v["summary"], v
+    assert "OOM killer" not in v["summary"], v
+    assert v["location"] and v["location"].startswith(str(SCRIPT)), v
+
+
 @pytest.mark.slow
 def test_a_restart_leaves_the_health_waits_of_each_attempt_apart(tmp_path: Path) -> None:
     # the restarted processes number their collectives from 1 again: the time between the attempts

@@ -16,6 +16,7 @@ all and orders the verdicts most severe first.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from sddoctor.supervise.diagnose_base import (
@@ -27,6 +28,7 @@ from sddoctor.supervise.diagnose_base import (
     join_ranks,
     locate_spawned_culprits,
     raised_text,
+    signal_name,
     unclean_marked,
 )
 from sddoctor.supervise.diagnose_crash import diagnose_crash, diagnose_crash_mismatch
@@ -149,6 +151,10 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
     exc = attempt.get("exception")
     how = raised_text(exc) if exc else describe_exit(unclean_marked(attempt.get("exit")))
     location = exception_location(exc, rank)
+    if not exc and (kill := _injected_kill(attempt)):
+        sig = int(kill.get("signal", signal.SIGKILL))
+        how = f"was killed by signal {sig} ({signal_name(sig)}) (injected by SDDOCTOR_FAULT)"
+        location = location or kill.get("caller")
     restarted = sorted(r.rank for r in state.ranks.values() if r.attempts)
     summary = (
         f"the launcher restarted the workers: on attempt {number} rank {rank.rank} {how}"
@@ -175,6 +181,21 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
         details["traceback"] = exc.get("traceback")
     return [Verdict("restarted", "warning", summary, rank.rank, location, details, evidence)]
+
+
+def _injected_kill(attempt: dict[str, Any]) -> dict[str, Any] | None:
+    """The `kill` fault that ended an earlier process of a rank, if one did: it fired in that
+    process, which then died of its signal or vanished without an exit record (killed hard)."""
+    kills = [f for f in attempt.get("faults") or [] if str(f.get("fault", "")).startswith("kill:")]
+    if not kills:
+        return None
+    exit_info = unclean_marked(attempt.get("exit")) or {}
+    sig = exit_info.get("signal")
+    expected = int(kills[-1].get("signal", signal.SIGKILL))
+    if (sig and int(sig) == expected) or (exit_info.get("code") is None and not sig):
+        fired: dict[str, Any] = kills[-1]
+        return fired
+    return None
 
 
 def diagnose_internal_errors(state: RunState) -> list[Verdict]:

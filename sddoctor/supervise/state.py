@@ -110,7 +110,8 @@ class RankState:
     spawned_at: str | None = None
     #: The last fatal-signal dump (`fatal_dump.FatalDump.to_dict()`): {error, frames innermost first}.
     fatal: dict[str, Any] | None = None
-    #: Earlier processes of this rank (torchrun --max-restarts): {pid, exception, exit, step}, oldest first.
+    #: Earlier processes of this rank (torchrun --max-restarts): {pid, exception, exit, step, faults},
+    #: oldest first.
     attempts: list[dict[str, Any]] = field(default_factory=list)
 
     _snapshot: RankSnapshot | None = field(default=None, init=False, repr=False, compare=False)
@@ -127,8 +128,15 @@ class RankState:
         """A new process took this rank over (the launcher restarted the workers): what the earlier
         one did is kept in `attempts`; its exit, exception, stack and collective sightings no longer
         describe the rank (the new process numbers its collectives from 1 again)."""
+        earlier_faults = sum(len(a["faults"]) for a in self.attempts)
         self.attempts.append(
-            {"pid": self.pid, "exception": self.exception, "exit": self.exit, "step": self.snapshot.step}
+            {
+                "pid": self.pid,
+                "exception": self.exception,
+                "exit": self.exit,
+                "step": self.snapshot.step,
+                "faults": self.faults[earlier_faults:],  # injected faults that process fired
+            }
         )
         self.pid = pid
         self.exit = None
