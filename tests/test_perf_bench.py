@@ -124,9 +124,20 @@ def test_table_marks_failed_rows_and_keeps_columns_aligned():
     report = {"preset": "tiny", "resolution": 32, "device": "cpu", "tflop_per_image": 1.0,
               "peak_tflops": 100.0, "steps": 2, "warmup": 2, "rows": rows}  # fmt: skip
     lines = bench.format_table(report).splitlines()
-    assert "FAILED: exit 2: unknown config key" in lines[3]
+    assert "FAILED: exit 2: unknown config key" in lines[3] and len(lines) == 4
     assert lines[2].split() == ["default", "1", "8", "8", "2.00", "16.0", "16.0", "3.0", "16", "16.0%",
                                 "-", "-", "-"]  # fmt: skip
+
+
+def test_table_says_below_it_when_the_oom_guard_lowered_a_rows_micro_batch():
+    row = bench.Row(bench.Case("saver", 64, 1), ok=True, it_s=0.7, images_s=43.6, mem_peak=20 * bench.GIB)
+    row.extra = {"fallbacks": 1, "micro_batches": [32], "note": "the OOM guard lowered the micro-batch"}
+    report = {"preset": "sd2-base", "resolution": 512, "device": "cuda", "tflop_per_image": 2.4,
+              "peak_tflops": 700.0, "steps": 6, "warmup": 3, "rows": [row.as_dict(2.4e12, 700.0)]}  # fmt: skip
+    lines = bench.format_table(report).splitlines()
+    assert lines[-1].startswith(
+        "saver@64: the OOM guard lowered the micro-batch (to 32), same effective batch"
+    )
 
 
 def test_gpu_idle_profiles_warm_up_steps_and_reads_the_idle_share(tmp_path):

@@ -872,6 +872,14 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append("  ".join(c.rjust(w) for c, w in zip(b[:4], widths[:4], strict=True)) + "  " + b[4])
         else:
             lines.append("  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)))
+    for r in report["rows"]:
+        if r.get("note"):
+            smaller = ", ".join(str(b) for b in r.get("micro_batches") or [])
+            lines.append(
+                f"{r['case']}@{r['per_gpu_batch']}: {r['note']}"
+                + (f" (to {smaller})" if smaller else "")
+                + f", same effective batch; see {r.get('log') or 'its log'}"
+            )
     mb = report.get("max_batch")
     if mb:
         lines.append(
