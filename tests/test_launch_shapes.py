@@ -49,6 +49,13 @@ def _cases() -> dict[str, tuple[list[str], str | None, dict[str, str]]]:
         "replicate-healthy": (torchrun(2, "--standalone", str(MESH)), None, STEPS),
         # gradient all-reduces are the default group's #1, #2, ...: #3 is step 3's
         "replicate-skip": (torchrun(2, "--standalone", str(MESH)), "skip:rank=1,seq=3", STEPS),
+        # DTensor's gradient and optimizer collectives are functional collectives, not traced: the
+        # waiting rank is seen in its stack only
+        "dtensor-sleep": (
+            torchrun(2, "--standalone", str(MESH)),
+            "sleep:rank=1,seconds=600,step=3",
+            {**STEPS, "MODE": "dtensor"},
+        ),
         "mesh-spawn-sleep": (
             _python(MESH),
             "sleep:rank=1,seconds=600,step=3",
@@ -163,6 +170,16 @@ def test_spawned_workers_whose_device_mesh_starts_the_group_are_ranks(runs: dict
     assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
     assert v["location"] == script_line("# FORWARD", MESH), v
     assert [s["step"] for s in res.events(0, "step")] == [1, 2]
+
+
+def test_a_rank_asleep_while_the_other_waits_in_a_dtensor_collective_is_the_missing_rank(runs: dict) -> None:
+    res = _run(runs, "dtensor-sleep")
+    assert res.returncode == 124, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"].startswith(f"{MESH}:"), v
+    assert "_functional_collectives.py" in v["details"]["untraced_waits"]["0"], v
+    assert v["details"]["waiting_ranks"] == [0] and "asleep in the injected fault" in v["summary"], v
 
 
 def test_a_lightning_ddp_spawn_crash_is_at_the_users_fit_line(runs: dict) -> None:

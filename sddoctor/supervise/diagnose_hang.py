@@ -37,6 +37,11 @@ from sddoctor.supervise.state import RankState, RunState, Verdict
 from sddoctor.telemetry.snapshot import Collective
 
 _WORKER_LOOP = re.compile(r"torch/utils/data/_utils/worker\.py")
+#: torch.distributed code a rank blocks in while inside a collective sddoctor does not trace
+#: (functional collectives, which DTensor's redistribution uses, and c10d calls outside its list)
+_UNTRACED_WAIT = re.compile(r"/torch/distributed/(_functional_collectives(_impl)?|distributed_c10d)\.py:")
+#: how far below the innermost frame such a wait may be (torch's op dispatch sits above it)
+_UNTRACED_WAIT_DEPTH = 4
 
 
 _DATALOADER_FRAME = re.compile(r"torch/utils/data/|dataloader", re.IGNORECASE)
@@ -374,6 +379,9 @@ def _hang_outside_collectives(
             {**base, "ranks": loaders},
             evidence,
         )
+    untraced = _untraced_wait_hang(state, expected, stalled, base, evidence)
+    if untraced is not None:
+        return untraced
     return Verdict(
         "hang.unknown",
         "error",
@@ -383,6 +391,58 @@ def _hang_outside_collectives(
         base,
         evidence,
     )
+
+
+def _untraced_wait(rank: RankState) -> str | None:
+    """The frame ('file:line in function') of torch.distributed code that the rank's stack shows it
+    blocked in, when that is a collective sddoctor does not trace; else None."""
+    for frame in ((rank.stack or {}).get("frames") or [])[:_UNTRACED_WAIT_DEPTH]:
+        text = str(frame).replace("\\", "/")
+        if _UNTRACED_WAIT.search(text):
+            return text
+    return None
+
+
+def _untraced_wait_hang(
+    state: RunState, expected: list[int], stalled: float, base: dict[str, Any], evidence: list[str]
+) -> Verdict | None:
+    """Some ranks' stacks show them blocked in a collective sddoctor does not trace (a functional
+    collective, as DTensor issues) and the others are elsewhere: the others never reached it."""
+    live = [r for r in expected if r in state.ranks and not state.ranks[r].exited]
+    waits = {r: w for r in live if (w := _untraced_wait(state.ranks[r])) is not None}
+    absent = [r for r in live if r not in waits and state.ranks[r].stack]
+    if not waits or not absent:
+        return None
+    sleepers = [r for r in absent if sleeping_fault(state.ranks[r], state.now)]
+    culprit = (sleepers or absent)[0]
+    rank = state.ranks[culprit]
+    location, how = where_is(rank)
+    asleep = sleeping_fault(rank, state.now)
+    if asleep:
+        how += (
+            f"; it is asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
+        )
+        location = location or asleep.get("caller")
+        evidence.append(
+            f"injected fault {asleep.get('fault')!r} fired on rank {culprit} at {asleep.get('caller')}"
+        )
+    waiting = sorted(waits)
+    frame = waits[waiting[0]]
+    function = frame.partition(" in ")[2] or frame
+    summary = (
+        f"hang: rank {culprit} never reached the collective that rank{'s' if len(waiting) > 1 else ''} "
+        f"{join_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in for {stalled:.0f} s; {how}. "
+        f"Rank{'s' if len(waiting) > 1 else ''} {join_ranks(waiting)} {'are' if len(waiting) > 1 else 'is'} in "
+        f"torch.distributed's {function}: a functional collective (as DTensor issues), which sddoctor "
+        "sees in the stacks only, so no sequence number or call site"
+    )
+    details = {
+        **base,
+        "missing_ranks": absent,
+        "waiting_ranks": waiting,
+        "untraced_waits": {str(r): w for r, w in sorted(waits.items())},
+    }
+    return Verdict("hang.missing_rank", "error", summary, culprit, location, details, evidence)
 
 
 def _frozen_hang(
@@ -450,7 +510,9 @@ def _missing_rank_hang(
     fault = fault_of(rank, ("skip",)) if rank else None
     asleep = sleeping_fault(rank, state.now) if rank else None
     if asleep and not loaders:
-        how += f"; it is asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
+        how += (
+            f"; it is asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
+        )
         location = location or asleep.get("caller")
         fault = fault or asleep
     if fault:
