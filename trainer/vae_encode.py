@@ -5,7 +5,7 @@ The VAE encoder's activations grow with the pixels of one call: SD's VAE at 512 
 cache batch of 64 images plus their flips asked for a single 4 GiB block and ran a 24 GiB card
 out of memory although training at that batch fits. The encoder treats images independently,
 so any split gives the same latents; the calls here hold at most `ENCODE_PIXELS` pixels, and
-`encode_with_fallback` halves the call further when the GPU still runs out (another process,
+`FallbackEncoder` halves the call further when the GPU still runs out (another process,
 a smaller card), down to one image.
 """
 
@@ -40,15 +40,10 @@ def encode_in_calls(
     (default: as many as the pixel budget allows)."""
     if per_call is None:
         per_call = images_per_call(pixels.shape[-2], pixels.shape[-1])
-    if pixels.shape[0] <= per_call:
-        dist = vae.encode(pixels).latent_dist
-        return dist.mean, dist.std
-    means, stds = [], []
-    for chunk in pixels.split(per_call):
-        dist = vae.encode(chunk).latent_dist
-        means.append(dist.mean)
-        stds.append(dist.std)
-    return torch.cat(means), torch.cat(stds)
+    dists = [vae.encode(chunk).latent_dist for chunk in pixels.split(per_call)]
+    if len(dists) == 1:  # one call: no copy into a concatenation
+        return dists[0].mean, dists[0].std
+    return torch.cat([d.mean for d in dists]), torch.cat([d.std for d in dists])
 
 
 class FallbackEncoder:

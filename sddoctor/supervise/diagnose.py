@@ -16,19 +16,20 @@ all and orders the verdicts most severe first.
 
 from __future__ import annotations
 
-import signal
 from typing import Any
 
 from sddoctor.supervise.diagnose_base import (
+    INJECTED,
     PEER_FAILURE,
     STOP_SIGNALS,
     abnormal_exit,
     describe_exit,
     exception_location,
     join_ranks,
+    kill_signal,
+    killed_by_fault,
     locate_spawned_culprits,
     raised_text,
-    signal_name,
     unclean_marked,
 )
 from sddoctor.supervise.diagnose_crash import diagnose_crash, diagnose_crash_mismatch
@@ -152,8 +153,7 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
     how = raised_text(exc) if exc else describe_exit(unclean_marked(attempt.get("exit")))
     location = exception_location(exc, rank)
     if not exc and (kill := _injected_kill(attempt)):
-        sig = int(kill.get("signal", signal.SIGKILL))
-        how = f"was killed by signal {sig} ({signal_name(sig)}) (injected by SDDOCTOR_FAULT)"
+        how = describe_exit({"signal": kill_signal(kill)}) + INJECTED
         location = location or kill.get("caller")
     restarted = sorted(r.rank for r in state.ranks.values() if r.attempts)
     summary = (
@@ -190,12 +190,9 @@ def _injected_kill(attempt: dict[str, Any]) -> dict[str, Any] | None:
     if not kills:
         return None
     exit_info = unclean_marked(attempt.get("exit")) or {}
-    sig = exit_info.get("signal")
-    expected = int(kills[-1].get("signal", signal.SIGKILL))
-    if (sig and int(sig) == expected) or (exit_info.get("code") is None and not sig):
-        fired: dict[str, Any] = kills[-1]
-        return fired
-    return None
+    no_record = exit_info.get("code") is None and not exit_info.get("signal")
+    fired: dict[str, Any] = kills[-1]
+    return fired if killed_by_fault(fired, exit_info) or no_record else None
 
 
 def diagnose_internal_errors(state: RunState) -> list[Verdict]:

@@ -103,6 +103,27 @@ def fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
     return None
 
 
+#: what a verdict adds to how a process ended when an injected `kill` fault ended it
+INJECTED = " (injected by SDDOCTOR_FAULT)"
+
+
+def kill_signal(fault: dict[str, Any]) -> int:
+    """The signal a `kill` fault sends (SIGKILL unless it says another)."""
+    return int(fault.get("signal", signal.SIGKILL))
+
+
+def killed_by_fault(fault: dict[str, Any] | None, exit_info: dict[str, Any] | None) -> bool:
+    """Whether the rank died of the signal its `kill` fault sends."""
+    if fault is None or not str(fault.get("fault", "")).startswith("kill:"):
+        return False
+    return bool((exit_info or {}).get("signal") == kill_signal(fault))
+
+
+def asleep_text(fault: dict[str, Any]) -> str:
+    """'asleep in the injected fault ... (fired at ...)' for a rank inside a `sleep` fault."""
+    return f"asleep in the injected fault {fault.get('fault')!r} (fired at {fault.get('caller')})"
+
+
 #: sddoctor's own functions that run an injected `sleep` fault (tracing: at a collective; the
 #: session: before a step); a rank's innermost Python frame in one of them is asleep in the fault
 _FAULT_SLEEPERS = ("instrument/tracing.py", "_apply_faults"), ("instrument/api.py", "_maybe_fire")

@@ -11,15 +11,18 @@ from typing import Any
 from sddoctor.codepaths import first_user_frame
 from sddoctor.supervise.callhistory import blocked_call
 from sddoctor.supervise.diagnose_base import (
+    INJECTED,
     PEER_FAILURE,
     STOP_SIGNALS,
     abnormal_exit,
+    asleep_text,
     death_time,
     describe_exit,
     ended_cleanly,
     exception_location,
     fault_of,
     join_ranks,
+    killed_by_fault,
     raised_text,
     rank_exit,
     roots_of,
@@ -209,7 +212,7 @@ def _gave_up_waiting(state: RunState, waiter: RankState) -> Verdict | None:
     # injected sleep then is there, not at its last collective
     asleep = sleeping_fault(rank, death_time(waiter)) if rank is not None and not rank.stack else None
     if asleep is not None:
-        how += f"; it was asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
+        how += f"; it was {asleep_text(asleep)}"
         location = asleep.get("caller") or location
     snap = waiter.snapshot
     known = [c for c in (snap.failed, *snap.inflight, snap.last_done) if c is not None]
@@ -297,8 +300,8 @@ def _crash_verdict(
     )
     step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
-    if _killed_by_fault(fault, exit_info):
-        how += " (injected by SDDOCTOR_FAULT)"
+    if killed_by_fault(fault, exit_info):
+        how += INJECTED
     nested = nested_traceback(str((exc or {}).get("message", "")))
     if exc and not (exit_info or {}).get("signal"):
         how = raised_text(exc)
@@ -354,13 +357,6 @@ def _crash_verdict(
         details=details,
         evidence=evidence,
     )
-
-
-def _killed_by_fault(fault: dict[str, Any] | None, exit_info: dict[str, Any] | None) -> bool:
-    """Whether the rank died of the signal its `kill` fault sends (SIGKILL unless it says another)."""
-    if fault is None or not str(fault.get("fault", "")).startswith("kill:"):
-        return False
-    return bool((exit_info or {}).get("signal") == fault.get("signal", int(signal.SIGKILL)))
 
 
 def _crash_evidence(

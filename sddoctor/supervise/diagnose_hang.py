@@ -23,6 +23,7 @@ from sddoctor.supervise.callhistory import (
     site_text,
 )
 from sddoctor.supervise.diagnose_base import (
+    asleep_text,
     describe_exit,
     ended_cleanly,
     exception_location,
@@ -419,9 +420,7 @@ def _untraced_wait_hang(
     location, how = where_is(rank)
     asleep = sleeping_fault(rank, state.now)
     if asleep:
-        how += (
-            f"; it is asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
-        )
+        how += f"; it is {asleep_text(asleep)}"
         location = location or asleep.get("caller")
         evidence.append(
             f"injected fault {asleep.get('fault')!r} fired on rank {culprit} at {asleep.get('caller')}"
@@ -510,9 +509,7 @@ def _missing_rank_hang(
     fault = fault_of(rank, ("skip",)) if rank else None
     asleep = sleeping_fault(rank, state.now) if rank else None
     if asleep and not loaders:
-        how += (
-            f"; it is asleep in the injected fault {asleep.get('fault')!r} (fired at {asleep.get('caller')})"
-        )
+        how += f"; it is {asleep_text(asleep)}"
         location = location or asleep.get("caller")
         fault = fault or asleep
     if fault:
