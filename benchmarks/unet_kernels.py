@@ -10,8 +10,9 @@ Prints, in one run, milliseconds of forward + backward per UNet step and ratios:
   - norm: diffusers' ResnetBlock2D at SD2-base's shapes (64x64x320, 32x32x640, 16x16x1280;
     up-blocks' inputs concatenated from two tensors as in the UNet; channels_last, bf16,
     torch.compile) in each of NORM_VARIANTS: nn.GroupNorm, GroupNorm written in primitive
-    operations (grouped as (N, G, C/G, HW) or in NHWC order), and Inductor's N-D tiling of
-    pointwise kernels; the 64x64 up-blocks' top kernels from the profiler.
+    operations (grouped as (N, G, C/G, HW) or in NHWC order), Inductor's N-D tiling of
+    pointwise kernels, and the trainer's resnet forward without diffusers' NCHW copy of the
+    shortcut's input (`keep-layout`); the 64x64 up-blocks' top kernels from the profiler.
 Needs CUDA and diffusers.
 """
 
@@ -137,17 +138,31 @@ NORM_VARIANTS: dict[str, tuple[type[nn.GroupNorm] | None, dict[str, Any]]] = {
     "nd-tiling": (None, {"triton.prefer_nd_tiling": True}),
     # Inductor times neighbouring block sizes of each Triton kernel and keeps the fastest
     "coord-descent": (None, {"coordinate_descent_tuning": True}),
+    # nn.GroupNorm in the trainer's resnet forward, without diffusers' NCHW copy of the
+    # shortcut's input in training (trainer/unet_layout.py)
+    "keep-layout": (None, {}),
 }
 
 
 def resnet_block(
-    side: int, c_in: int, c_out: int, skip: int, batch: int, norm: type[nn.GroupNorm] | None
+    side: int,
+    c_in: int,
+    c_out: int,
+    skip: int,
+    batch: int,
+    norm: type[nn.GroupNorm] | None,
+    keep_layout: bool = False,
 ) -> Callable[[], None]:
-    """Forward + backward of one compiled ResnetBlock2D whose input is `skip` channels
-    concatenated to `c_in - skip` others (as in the UNet's up-blocks), or one tensor."""
+    """Forward + backward of one compiled ResnetBlock2D (in training mode) whose input is `skip`
+    channels concatenated to `c_in - skip` others (as in the UNet's up-blocks), or one tensor;
+    `keep_layout`: with the trainer's forward instead of diffusers'."""
     from diffusers.models.resnet import ResnetBlock2D
 
+    from trainer.unet_layout import keep_channels_last
+
     block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=1280, groups=32)
+    if keep_layout:
+        keep_channels_last(block)
     block.to("cuda", torch.bfloat16)
     block.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs lack it
     if norm is not None:
@@ -197,7 +212,7 @@ def bench_norm(batch: int, iters: int, variants: list[str]) -> dict[str, Any]:
             norm, options = NORM_VARIANTS[name]
             torch._dynamo.reset()
             with torch._inductor.config.patch(options):  # read when the first call compiles
-                run = resnet_block(side, c_in, c_out, skip, batch, norm)
+                run = resnet_block(side, c_in, c_out, skip, batch, norm, name == "keep-layout")
                 row[name] = round(cuda_ms(run, iters), 3)
                 # as it goes: a variant whose compile runs past a time limit leaves the others
                 print(f"{shape} {name}: {row[name]} ms", file=sys.stderr, flush=True)

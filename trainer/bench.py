@@ -122,6 +122,9 @@ VARIANTS.update(
 VARIANTS.update(
     {
         "default-cudagraphs": {"model.compile_mode": "reduce-overhead"},
+        # diffusers' own resnet and transformer forwards, with their NCHW copies of channels_last
+        # activations (trainer/unet_layout.py): what `default` ran before the trainer dropped them
+        "default-diffusers-layout": {"model.keep_channels_last": False},
         "default-autotune": {"model.compile_mode": "max-autotune-no-cudagraphs"},
         "default-flash": {"model.attention_backend": "flash"},
         "default-cudnn": {"model.attention_backend": "cudnn"},

@@ -56,6 +56,7 @@ from trainer.objective import DiffusionObjective
 from trainer.optim import EMA, build_lr_scheduler, build_training_optimizer, check_optimizer
 from trainer.process import Dist, gather
 from trainer.step import OptimizerStep, TrainStep
+from trainer.unet_layout import keep_channels_last
 from trainer.vae_fit import fit_vae
 
 if TYPE_CHECKING:
@@ -304,6 +305,8 @@ def load_models(
         unet.enable_gradient_checkpointing()
     if cfg.model.channels_last:
         unet.to(memory_format=torch.channels_last)
+        if cfg.model.keep_channels_last:
+            keep_channels_last(unet)
     return models, unet_bf16, lora_base, text_lora_base
 
 

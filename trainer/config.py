@@ -48,6 +48,9 @@ class ModelConfig:
     """epsilon | v_prediction; empty keeps the noise scheduler's own setting."""
     gradient_checkpointing: bool = False
     channels_last: bool = True
+    keep_channels_last: bool = True
+    """With channels_last: the UNet's resnet blocks and transformers skip diffusers' NCHW copies of
+    their activations (trainer/unet_layout.py); false keeps diffusers' own forward, for comparison."""
     compile: str = "false"
     """true | false | auto (true when training on CUDA; the SD presets' setting): torch.compile the
     UNet. The first steps are slow while it compiles (about two minutes for SD2-base)."""
@@ -545,6 +548,7 @@ RULES: dict[str, Rule] = {
     "model.prediction_type": _choice("", "epsilon", "v_prediction"),
     "model.gradient_checkpointing": _BOOL,
     "model.channels_last": _BOOL,
+    "model.keep_channels_last": _BOOL,
     "model.compile": _choice("true", "false", "auto"),
     "model.compile_backend": _choice("inductor", "aot_eager", "eager"),
     "model.compile_mode": _choice(
