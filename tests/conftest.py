@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,6 +80,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_collecting(fn: Any, nprocs: int) -> dict[Any, Any]:
+    """`torch.multiprocessing.spawn(fn, args=(port, results), nprocs=nprocs)` with a free port for
+    the workers' process group; returns what they put into the shared dict `results`."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(fn, args=(free_port(), results), nprocs=nprocs)
+        return dict(results)
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ T0 = 1_796_000_000.0
 
 
 def _row(seq: int, t0: float, duration: float, pg: str = "0", op: str = "all_reduce") -> list:
-    return [pg, seq, op, t0, duration, "/src/train.py:57", False, None]
+    return [pg, seq, op, t0, duration, "/src/train.py:57", False, None, None]
 
 
 def test_timeline_file_roundtrip_rotation_and_torn_line(tmp_path):

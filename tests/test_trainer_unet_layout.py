@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from diffusers import UNet2DConditionModel
 from diffusers.models.resnet import ResnetBlock2D
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import spawn_collecting
 from trainer.models import ARCHITECTURES
 from trainer.unet_layout import ChannelsLastResnetBlock, ChannelsLastTransformer, keep_channels_last
 
@@ -134,13 +133,7 @@ def _ddp_rank(rank: int, port: int, results: dict) -> None:
 def test_ddp_with_gradient_bucket_views_gives_no_stride_warning() -> None:
     """The reason diffusers copies the shortcut's input: DDP's warning that a gradient's strides
     differ from its bucket view's. A channels_last UNet trained through DDP does not raise it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_ddp_rank, args=(port, results), nprocs=2)
-        results = dict(results)
+    results = spawn_collecting(_ddp_rank, 2)
     assert results[0] == results[1] == {"warnings": [], "grads_equal": True}
 
 

@@ -27,6 +27,8 @@ CASES: dict[str, dict[str, str]] = {
     "slow_save": {"BUG": "slow_save"},
     "order": {"BUG": "order", "SAME_SHAPES": "1"},
     "early_exit": {"BUG": "early_exit"},
+    "reduce_op": {"BUG": "reduce_op"},
+    "dtype": {"BUG": "dtype"},
 }
 
 
@@ -113,3 +115,25 @@ def test_a_rank_that_leaves_early_is_named_not_the_one_that_lost_it(runs: dict) 
     v = _verdict(_run(runs, "early_exit", 1))
     assert (v["kind"], v["culprit_rank"]) == ("exited_early", 1), v
     assert v["details"]["consequences"] == [0], v
+
+
+def test_a_different_reduce_op_on_one_rank_is_found_though_nothing_failed(runs: dict) -> None:
+    """Rank 1 reduces the epoch metric with MAX, rank 0 with SUM: the all-reduce completes on both
+    and the job ends 0; the report says which call, what each rank passed and where."""
+    res = _run(runs, "reduce_op", 0)
+    v = _verdict(res)
+    assert (v["kind"], v["severity"], v["culprit_rank"]) == ("collective.mismatch", "error", None), v
+    passed = v["details"]["passed"]
+    assert passed["0"]["sig"] == "float32[2] SUM" and passed["1"]["sig"] == "float32[2] MAX", v
+    assert passed["0"]["caller"] == script_line("# EPOCH METRIC", SCRIPT), v
+    assert passed["1"]["caller"] == script_line("# METRIC MAX", SCRIPT), v
+    assert v["details"]["calls"] == 2, v  # one per epoch
+    assert "all_reduce #" in v["summary"] and "nothing failed" in v["summary"], v
+
+
+def test_a_different_dtype_of_the_same_width_is_found(runs: dict) -> None:
+    v = _verdict(_run(runs, "dtype", 0))
+    assert v["kind"] == "collective.mismatch", v
+    passed = v["details"]["passed"]
+    assert (passed["0"]["sig"], passed["1"]["sig"]) == ("float32[2] SUM", "int32[2] SUM"), v
+    assert passed["0"]["caller"] == passed["1"]["caller"] == script_line("# EPOCH METRIC", SCRIPT), v

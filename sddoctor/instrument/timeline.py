@@ -9,6 +9,7 @@ rank yet (the records wait in the buffer).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -64,4 +65,56 @@ def _row(rec: Any) -> list[Any]:
         f"{rec.file}:{rec.line}",
         bool(rec.deferred) and not rec.exact_end,  # readers: "completion polled, +-1 s"
         rec.peer,
+        payload_signature(rec),
     ]
+
+
+#: collectives every rank must call with tensors of the same dtype and size (and the same reduce op)
+_SAME_PAYLOAD = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_gather_single",
+        "reduce_scatter_single",
+    }
+)
+#: list forms whose tensors may differ in size between ranks (NCCL's uneven all_gather): their
+#: dtypes and reduce op must still agree
+_SAME_DTYPE = frozenset({"all_gather", "all_gather_coalesced", "reduce_scatter"})
+
+
+def payload_signature(rec: Any) -> str | None:
+    """What every rank must pass alike to this call, as text ("float32[32] MAX": each tensor's
+    dtype and element count, the reduce op), for comparing ranks after the fact: a call whose
+    ranks disagree on these can complete and still be wrong (SUM on one rank and MAX on another,
+    float32 against int32). Shapes are not compared: the backends see flat memory, so a tensor
+    viewed in another shape of the same size is not a mistake. None for calls whose arguments may
+    differ between ranks (gather, scatter, all_to_all, objects, point-to-point)."""
+    try:
+        if rec.op in _SAME_PAYLOAD:
+            sizes = [math.prod(shape) for shape in rec.shapes]
+            tensors = [f"{_dtype_text(d)}[{n}]" for d, n in zip(rec.dtypes, sizes, strict=False)]
+        elif rec.op in _SAME_DTYPE:
+            tensors = [_dtype_text(d) for d in rec.dtypes]
+        else:
+            return None
+        reduce = _reduce_name(rec.reduce)
+    except Exception:  # noqa: BLE001 - an odd record is left uncompared, never a lost flush
+        return None
+    return " ".join([";".join(tensors)] + ([reduce] if reduce else []))
+
+
+def _dtype_text(dtype: Any) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+
+
+def _reduce_name(op: Any) -> str | None:
+    """SUM, MAX, ... of a ReduceOp enum value or instance (PREMUL_SUM keeps its factor apart)."""
+    if op is None or isinstance(op, str):
+        return op
+    name = getattr(op, "name", None) or getattr(getattr(op, "op", None), "name", None)
+    return name if isinstance(name, str) else None

@@ -53,6 +53,14 @@ from sddoctor.telemetry.schema import EventKind
 
 #: ops whose first tensor argument is written in place (shape faults copy the result back)
 _INPLACE = {"all_reduce", "broadcast", "reduce"}
+#: position of the `op` (ReduceOp) parameter of the reducing collectives, in torch's signatures
+REDUCE_OP_POSITION = {
+    "all_reduce": 1,
+    "all_reduce_coalesced": 1,
+    "reduce": 2,
+    "reduce_scatter": 2,
+    "reduce_scatter_tensor": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,7 @@ class _Rec:
         "exact_end",
         "peer",
         "ddp",
+        "reduce",
     )
     op: str
     key: str
@@ -154,11 +163,13 @@ class _Rec:
     #: issued by DDP inside a training step: "bucket" (a gradient bucket's all-reduce) or
     #: "buffers" (the buffer broadcast before a forward); the diagnosis tells a step's calls apart
     ddp: str | None
+    #: the reduce op passed to a reducing collective (a torch ReduceOp, named at flush time)
+    reduce: Any
 
     def __init__(self) -> None:
         # optional fields default here so every construction site (and a hand-built record)
         # yields a complete record; the call sites fill in the rest
-        self.handle, self.t1, self.peer, self.ddp = None, None, None, None
+        self.handle, self.t1, self.peer, self.ddp, self.reduce = None, None, None, None, None
         self.deferred, self.exact_end = False, False
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
@@ -349,6 +360,11 @@ class Tracer:
                 else (args[pi] if 0 <= pi < len(args) else None)
             )
         rec.shapes, rec.dtypes, on_cuda = _describe(payload, spec.kind)
+        position = REDUCE_OP_POSITION.get(spec.name)
+        if position is not None:
+            rec.reduce = kwargs["op"] if "op" in kwargs else (args[position] if position < len(args) else "SUM")
+        else:
+            rec.reduce = None
         if frame is not None:
             rec.file, rec.line = frame.f_code.co_filename, frame.f_lineno
         else:

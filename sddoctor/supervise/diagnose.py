@@ -35,8 +35,12 @@ from sddoctor.supervise.diagnose_base import (
 from sddoctor.supervise.diagnose_crash import diagnose_crash, diagnose_crash_mismatch
 from sddoctor.supervise.diagnose_hang import diagnose_hang
 from sddoctor.supervise.diagnose_oom import OOM_TEXT, diagnose_oom
+from sddoctor.supervise.payloads import diagnose_payload_mismatch
 from sddoctor.supervise.state import VERDICT_KINDS, RunState, Verdict
 from sddoctor.supervise.straggler import diagnose_straggler
+
+#: endings after which the ranks' calls need not line up by number any more
+_MISALIGNING = ("crash", "exited_early")
 
 
 def diagnose(state: RunState) -> list[Verdict]:
@@ -63,6 +67,10 @@ def diagnose(state: RunState) -> list[Verdict]:
     if state.hung:
         verdicts += diagnose_hang(state)
     verdicts += diagnose_replicas(state)
+    # A rank that skipped, added, or never reached a call numbers the rest differently from its
+    # peers: comparing calls by number is only meaningful in a run that did not end that way.
+    if not any(v.kind.startswith("hang.") or v.kind in _MISALIGNING for v in verdicts):
+        verdicts += diagnose_payload_mismatch(state)
     verdicts += diagnose_straggler(state)
     verdicts += diagnose_internal_errors(state)
     verdicts += diagnose_restarts(state)

@@ -10,6 +10,7 @@ from sddoctor.gpu.host import pid_running
 from sddoctor.supervise.diagnose import diagnose, merge_verdicts
 from sddoctor.supervise.facts import hang_verdicts, read_facts, settle_exits
 from sddoctor.supervise.lifecycle import lease_status
+from sddoctor.supervise.payloads import attach_mismatches
 from sddoctor.supervise.report import attach_preflight, build_report
 from sddoctor.supervise.watch import Watcher
 from sddoctor.telemetry import RunDir, read_json
@@ -46,7 +47,10 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
         for rank in state.ranks.values():
             rank.alive = False
         settle_exits(state)
-        verdicts = merge_verdicts(hang_verdicts(facts), diagnose(state))
+        frozen = hang_verdicts(facts)
+        if not frozen:  # after a hang the ranks' call numbers need not line up
+            attach_mismatches(state, run_dir)
+        verdicts = merge_verdicts(frozen, diagnose(state))
         report = build_report(
             state,
             verdicts,
@@ -67,6 +71,7 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
     ended = all(r.exited for r in state.ranks.values()) if state.ranks else True
     if ended:
         state.job_exit = {"code": None, "t": None}
+        attach_mismatches(state, run_dir)
     verdicts = diagnose(state)
     failed = any(v.severity == "error" for v in verdicts)
     outcome = ("failed" if failed else "ok") if ended else ("hang" if state.hung else "running")

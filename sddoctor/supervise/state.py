@@ -26,6 +26,7 @@ VERDICT_KINDS = (
     "hang.unknown",
     "hang.startup",
     "replicas.differ",
+    "collective.mismatch",
     "straggler",
     "sddoctor.internal_error",
     "oom.recovered",
@@ -220,6 +221,9 @@ class RunState:
     #: The peer supervisor (host:port) that diagnosed a hang of the job (several nodes): this node
     #: takes its own ranks' stacks then too, before the peer's --on-hang kill takes them down.
     hang_declared_by: str | None = None
+    #: Completed collectives whose ranks passed different things (`payloads.find_mismatches`),
+    #: compared from the timelines once the run has ended; empty before that.
+    payload_mismatches: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def stalled_for(self) -> float:

@@ -23,6 +23,7 @@ from sddoctor.supervise.gpulog import GpuLog
 from sddoctor.supervise.http import EndpointError, StateServer, get_state
 from sddoctor.supervise.lifecycle import STDERR_FILE
 from sddoctor.supervise.metrics import RunMetrics
+from sddoctor.supervise.payloads import attach_mismatches
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RunState, Verdict
@@ -382,6 +383,8 @@ class Supervisor:
         facts = self.facts(final=True)
         state = self.watcher.state(now, facts)
         settle_exits(state)
+        if not self.hang_verdicts:  # after a hang the ranks' call numbers need not line up
+            attach_mismatches(state, self.opts.run_dir)
         self.verdicts = merge_verdicts(self.hang_verdicts, diagnose(state))
         self.state = state
         job_code = self.job.exit_code

@@ -7,8 +7,8 @@ traced calls in a bounded in-memory buffer (`Tracer.recent`), and its heartbeat 
 them here about once a second, one JSON line per flush:
 
     {"v": 1, "t": 1796206650.0, "rank": 3,
-     "fields": ["pg", "seq", "op", "t0", "duration", "caller", "async", "peer"],
-     "calls": [["0", 57, "all_reduce", 1796206649.12, 0.0061, 0, false, null], ...],
+     "fields": ["pg", "seq", "op", "t0", "duration", "caller", "async", "peer", "sig"],
+     "calls": [["0", 57, "all_reduce", 1796206649.12, 0.0061, 0, false, null, "float32[1024] SUM"], ...],
      "callers": ["/src/train.py:57"], "dropped": 0}
 
 - `fields` names the columns of `calls` (readers map by name, so columns can be added);
@@ -16,6 +16,9 @@ them here about once a second, one JSON line per flush:
 - `t0` is the enqueue time (unix seconds), `duration` enqueue to completion. For calls completed
   by polling (`async`: async_op, isend/irecv, any call on CUDA tensors) the completion is known
   to within the heartbeat interval (about a second); `t0` is exact either way.
+- `sig`: what every rank must pass alike to the call (its tensors' dtypes and shapes, the reduce
+  op), for comparing ranks after the fact; null for calls whose arguments may differ between
+  ranks (gather, scatter, all_to_all, object collectives, point-to-point). Older files lack it.
 - `dropped`: completed calls that did not fit the buffer since the previous line (more than
   `Tracer.RECENT_MAX` calls within one flush interval).
 - The file is bounded: past `MAX_BYTES` it is renamed to `timeline/rank-NNNNN.1.jsonl` (replacing
@@ -38,7 +41,7 @@ from sddoctor.telemetry.schema import SCHEMA_VERSION
 
 #: folder of the timeline files, beside ranks/
 TIMELINE_DIR = "timeline"
-FIELDS: tuple[str, ...] = ("pg", "seq", "op", "t0", "duration", "caller", "async", "peer")
+FIELDS: tuple[str, ...] = ("pg", "seq", "op", "t0", "duration", "caller", "async", "peer", "sig")
 MAX_BYTES = 4 << 20
 
 

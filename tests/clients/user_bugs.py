@@ -14,6 +14,8 @@ BUG=order), BUG, one of:
   slow_save    rank 0's checkpoint save takes SAVE_SECONDS
   order        the ranks call the epoch-end collectives in a different order
   early_exit   rank 1 leaves the loop after step AT and ends the job on its side
+  reduce_op    rank 1 reduces the epoch metric with MAX where rank 0 sums it (nothing hangs)
+  dtype        rank 1's epoch metric is int32 where rank 0's is float32 (same width: nothing hangs)
 """
 
 import os
@@ -59,6 +61,11 @@ def save_checkpoint(model, epoch):
 def epoch_end_sync(rank, loss_sum, batches):
     """Average the loss over the ranks; with BUG=order also share a learning-rate scale."""
     stats = torch.tensor([loss_sum, float(batches)])
+    if BUG == "dtype" and rank == 1:
+        stats = stats.to(torch.int32)  # METRIC DTYPE
+    if BUG == "reduce_op" and rank == 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # METRIC MAX
+        return stats
     if BUG != "order":
         dist.all_reduce(stats)  # EPOCH METRIC
         return stats
