@@ -401,6 +401,7 @@ class Tracer:
         rec.shapes, rec.dtypes = [buffer.shape], [buffer.dtype]
         rec.file, rec.line = caller
         rec.handle, rec.t1, rec.deferred, rec.exact_end, rec.ddp = None, None, True, False, "bucket"
+        rec.reduce = "SUM"  # as the generic path records `fn`'s default op: a rank may take either path
         rec.t0 = time.time()
         _tls.busy = True
         try:
