@@ -428,6 +428,23 @@ def test_deaths_after_sddoctor_stopped_the_job_are_not_crashes() -> None:
     assert [v for v in diagnose(state) if v.kind == "crash"] == []
 
 
+def test_a_rank_only_seen_gone_after_its_supervisor_died_is_not_a_crash() -> None:
+    """Offline, a rank gone without an exit record has its last heartbeat as its time, which a
+    loaded host writes seconds late: that is no death before the supervisor's."""
+    gone = {"source": "process gone without an exit event (killed?)", "unclean": True}
+
+    def state(exit_info: dict) -> RunState:
+        r0 = rank(0, alive=False, exit=exit_info)
+        return RunState(
+            now=30.0, started=0.0, ranks={0: r0}, stopped_by_supervisor="supervisor died", stopped_at=20.0
+        )
+
+    assert [v.kind for v in diagnose(state({**gone, "t": 18.8, "last_seen_alive": True}))] == []
+    # long before the supervisor died, or a death whose time is known: a crash
+    assert "crash" in [v.kind for v in diagnose(state({**gone, "t": 10.0, "last_seen_alive": True}))]
+    assert "crash" in [v.kind for v in diagnose(state({"t": 18.8, "signal": 9}))]
+
+
 def test_gloo_size_mismatch_abort_is_a_mismatch_not_a_crash() -> None:
     r0 = rank(0, alive=False, exit={"t": 10.0, "signal": 6})
     r1 = rank(

@@ -66,7 +66,12 @@ def _kill_supervisor_mid_run(
             assert sup.poll() is None, (tmp_path / "sddoctor.err").read_text()
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.1)
-        time.sleep(3.0)  # a few steps and heartbeats of the supervisor; the ranks in their loop
+        # the ranks in their loop (a loaded host starts them slowly), then a few heartbeats more
+        while not _every_rank_in_its_loop(run_dir, ranks):
+            assert sup.poll() is None, (tmp_path / "sddoctor.err").read_text()
+            assert time.monotonic() < deadline, "the ranks did not reach their loop"
+            time.sleep(0.1)
+        time.sleep(2.0)
         for child in me.children(recursive=True):
             seen.setdefault(child.pid, child)
         assert len(seen) >= ranks + 1, "the launcher and the ranks should be running"
@@ -80,6 +85,19 @@ def _kill_supervisor_mid_run(
                 p.kill()
         raise
     return run_dir, list(seen.values()), killed_at
+
+
+def _every_rank_in_its_loop(run_dir: Path, ranks: int) -> bool:
+    """Whether `ranks` ranks' state files show a finished step or an issued collective (a torn
+    file reads as not yet)."""
+    looping = 0
+    for path in (run_dir / "ranks").glob("*.state"):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        looping += bool(state.get("step") or (state.get("collectives") or {}).get("issued"))
+    return looping >= ranks
 
 
 def _assert_all_gone_within(procs: list[psutil.Process], seconds: float) -> float:

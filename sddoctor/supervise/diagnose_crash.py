@@ -51,13 +51,24 @@ _WAIT_TIMEOUT_TEXT = re.compile(
 _MONITORED_BARRIER_RANKS = re.compile(r"Ranks? ([\d,\s]+?) failed to pass monitoredBarrier", re.IGNORECASE)
 
 
+#: how much earlier than sddoctor's stop a death may seem to come and still be its doing: a
+#: recorded exit is exact to the poll; a rank only known to be gone (offline) has its last
+#: heartbeat as its time, which a loaded host writes seconds late
+_EXACT_STOP_SLACK = 0.5
+_LAST_SEEN_STOP_SLACK = 5.0
+
+
+def _stop_slack(rank: RankState) -> float:
+    return _LAST_SEEN_STOP_SLACK if (rank.exit or {}).get("last_seen_alive") else _EXACT_STOP_SLACK
+
+
 def diagnose_crash(state: RunState) -> list[Verdict]:
     """The rank that died first and why; the others that followed are named but not blamed."""
     candidates: list[tuple[RankState, dict[str, Any] | None]] = []
     for rank in state.ranks.values():
         exit_info = rank_exit(rank, state)
         if abnormal_exit(exit_info) or rank.exception is not None:
-            if state.stopped_at is not None and death_time(rank) >= state.stopped_at - 0.5:
+            if state.stopped_at is not None and death_time(rank) >= state.stopped_at - _stop_slack(rank):
                 continue  # sddoctor stopped it (or it fell over while being stopped)
             candidates.append((rank, exit_info))
     if not candidates:

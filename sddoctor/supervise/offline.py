@@ -38,6 +38,8 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
                     "t": snapshot.alive_at,
                     "source": "process gone without an exit event (killed?)",
                     "unclean": True,
+                    # it died at some time after this: its last heartbeat, not its death
+                    "last_seen_alive": True,
                 }
     watcher.last_progress = last_progress or watcher.last_progress
     facts = read_facts(run_dir)
