@@ -130,17 +130,18 @@ class NhwcGroupNorm(PrimitiveGroupNorm):
     nhwc = True
 
 
-#: how a block is built and compiled: (GroupNorm class or None for nn.GroupNorm, Inductor options)
-NORM_VARIANTS: dict[str, tuple[type[nn.GroupNorm] | None, dict[str, Any]]] = {
-    "native": (None, {}),
-    "primitive": (PrimitiveGroupNorm, {}),
-    "primitive-nhwc": (NhwcGroupNorm, {}),
-    "nd-tiling": (None, {"triton.prefer_nd_tiling": True}),
+#: how a block is built and compiled: (GroupNorm class or None for nn.GroupNorm, Inductor options,
+#: whether the block runs the trainer's forward instead of diffusers')
+NORM_VARIANTS: dict[str, tuple[type[nn.GroupNorm] | None, dict[str, Any], bool]] = {
+    "native": (None, {}, False),
+    "primitive": (PrimitiveGroupNorm, {}, False),
+    "primitive-nhwc": (NhwcGroupNorm, {}, False),
+    "nd-tiling": (None, {"triton.prefer_nd_tiling": True}, False),
     # Inductor times neighbouring block sizes of each Triton kernel and keeps the fastest
-    "coord-descent": (None, {"coordinate_descent_tuning": True}),
+    "coord-descent": (None, {"coordinate_descent_tuning": True}, False),
     # nn.GroupNorm in the trainer's resnet forward, without diffusers' NCHW copy of the
     # shortcut's input in training (trainer/unet_layout.py)
-    "keep-layout": (None, {}),
+    "keep-layout": (None, {}, True),
 }
 
 
@@ -209,10 +210,10 @@ def bench_norm(batch: int, iters: int, variants: list[str]) -> dict[str, Any]:
         shape = f"{side}x{side} {c_in}->{c_out}" + (" (cat)" if skip else "")
         row: dict[str, Any] = {"blocks": blocks}
         for name in variants:
-            norm, options = NORM_VARIANTS[name]
+            norm, options, keep_layout = NORM_VARIANTS[name]
             torch._dynamo.reset()
             with torch._inductor.config.patch(options):  # read when the first call compiles
-                run = resnet_block(side, c_in, c_out, skip, batch, norm, name == "keep-layout")
+                run = resnet_block(side, c_in, c_out, skip, batch, norm, keep_layout)
                 row[name] = round(cuda_ms(run, iters), 3)
                 # as it goes: a variant whose compile runs past a time limit leaves the others
                 print(f"{shape} {name}: {row[name]} ms", file=sys.stderr, flush=True)

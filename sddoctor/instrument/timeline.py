@@ -13,6 +13,7 @@ import math
 import time
 from typing import Any
 
+from sddoctor.instrument.tracing import dtype_name
 from sddoctor.telemetry.timeline import TimelineWriter
 
 
@@ -97,19 +98,15 @@ def payload_signature(rec: Any) -> str | None:
     try:
         if rec.op in _SAME_PAYLOAD:
             sizes = [math.prod(shape) for shape in rec.shapes]
-            tensors = [f"{_dtype_text(d)}[{n}]" for d, n in zip(rec.dtypes, sizes, strict=False)]
+            tensors = [f"{dtype_name(d)}[{n}]" for d, n in zip(rec.dtypes, sizes, strict=False)]
         elif rec.op in _SAME_DTYPE:
-            tensors = [_dtype_text(d) for d in rec.dtypes]
+            tensors = [dtype_name(d) for d in rec.dtypes]
         else:
             return None
         reduce = _reduce_name(rec.reduce)
     except Exception:  # noqa: BLE001 - an odd record is left uncompared, never a lost flush
         return None
     return " ".join([";".join(tensors)] + ([reduce] if reduce else []))
-
-
-def _dtype_text(dtype: Any) -> str:
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
 
 
 def _reduce_name(op: Any) -> str | None:

@@ -178,7 +178,7 @@ class _Rec:
             "seq": self.seq,
             "op": self.op,
             "shapes": [list(s) for s in self.shapes],
-            "dtypes": [d if isinstance(d, str) else _dtype_name(d) for d in self.dtypes],
+            "dtypes": [dtype_name(d) for d in self.dtypes],
             "caller": f"{self.file}:{self.line}",
             "since": self.t0,
             "async": self.deferred,
@@ -1080,7 +1080,10 @@ def _group_name(c10d: Any, pg: Any) -> str:
     return str(name) if name else "default"
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """A recorded dtype as text ("float32"); one already recorded as text stays as it is."""
+    if isinstance(dtype, str):
+        return dtype
     name = _dtype_names.get(dtype)
     if name is None:
         name = _dtype_names[dtype] = str(dtype).replace("torch.", "")

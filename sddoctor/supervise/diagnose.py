@@ -29,6 +29,7 @@ from sddoctor.supervise.diagnose_base import (
     kill_signal,
     killed_by_fault,
     locate_spawned_culprits,
+    lone_rank,
     raised_text,
     unclean_marked,
 )
@@ -115,9 +116,7 @@ def diagnose_replicas(state: RunState) -> list[Verdict]:
         for r, digest in sorted(digests.items()):
             groups.setdefault(digest, []).append(r)
         # With three or more ranks a lone rank against an agreeing majority is the odd one out.
-        sizes = sorted(len(g) for g in groups.values())
-        if len(groups) == 2 and sizes == [1, max(sizes)] and max(sizes) > 1:
-            culprit = min(groups.values(), key=len)[0]
+        culprit = lone_rank(digests)
         details = {"step": step, "digests": {str(r): d for r, d in sorted(digests.items())}}
         evidence += [f"ranks {join_ranks(g)}: params_sha256 {d[:16]}..." for d, g in groups.items()]
         summary = f"the ranks' weights differ after step {step}: the DDP replicas diverged"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
@@ -101,6 +102,18 @@ def fault_of(rank: RankState, kinds: tuple[str, ...]) -> dict[str, Any] | None:
         if spec.split(":", 1)[0] in kinds:
             return event
     return None
+
+
+def lone_rank(by_rank: Mapping[int, Hashable]) -> int | None:
+    """The one rank whose value no other rank has, against a majority of two or more that agree
+    (two values in all); None otherwise, as with two ranks, where either may be the wrong one."""
+    groups: dict[Hashable, list[int]] = {}
+    for rank, value in sorted(by_rank.items()):
+        groups.setdefault(value, []).append(rank)
+    if len(groups) != 2:
+        return None
+    fewer, more = sorted(groups.values(), key=len)
+    return fewer[0] if len(fewer) == 1 and len(more) > 1 else None
 
 
 #: what a verdict adds to how a process ended when an injected `kill` fault ended it

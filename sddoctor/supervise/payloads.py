@@ -16,10 +16,10 @@ twice (a torchrun restart numbers its calls from 1 again) is skipped rather than
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from sddoctor.supervise.diagnose_base import lone_rank
 from sddoctor.supervise.state import RunState, Verdict
 from sddoctor.telemetry import RunDir
 from sddoctor.telemetry.timeline import read_timeline
@@ -46,15 +46,14 @@ def signatures(calls: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int], Pass
 def find_mismatches(by_rank: Mapping[int, Mapping[tuple[str, int], Passed | None]]) -> list[dict[str, Any]]:
     """Every (group, seq) that two or more ranks recorded with different op or signature, in
     (group, seq) order: {pg, seq, passed: {rank: {op, sig, caller}}, odd_rank}."""
-    keys = sorted({key for table in by_rank.values() for key in table}, key=lambda k: (k[0], k[1]))
     found: list[dict[str, Any]] = []
-    for key in keys:
+    for key in sorted({key for table in by_rank.values() for key in table}):
         seen = {rank: table[key] for rank, table in by_rank.items() if key in table}
-        if len(seen) < 2 or any(p is None for p in seen.values()):
-            continue
         passed = {rank: p for rank, p in seen.items() if p is not None}
-        kinds = Counter((op, sig) for op, sig, _ in passed.values())
-        if len(kinds) < 2:
+        if len(passed) < 2 or len(passed) < len(seen):  # one rank, or a rank that recorded it twice
+            continue
+        what = {rank: (op, sig) for rank, (op, sig, _) in passed.items()}
+        if len(set(what.values())) < 2:
             continue
         found.append(
             {
@@ -64,21 +63,10 @@ def find_mismatches(by_rank: Mapping[int, Mapping[tuple[str, int], Passed | None
                     rank: {"op": op, "sig": sig, "caller": caller}
                     for rank, (op, sig, caller) in sorted(passed.items())
                 },
-                "odd_rank": _odd_one_out(passed, kinds),
+                "odd_rank": lone_rank(what),
             }
         )
     return found
-
-
-def _odd_one_out(passed: Mapping[int, Passed], kinds: Counter[tuple[str, str]]) -> int | None:
-    """The one rank that passed something no other rank did, against an agreeing majority of two
-    or more; None with two ranks (either may be the one that is wrong) or no such majority."""
-    if len(kinds) != 2:
-        return None
-    (_, n_common), (rare, n_rare) = kinds.most_common(2)
-    if n_rare != 1 or n_common < 2:
-        return None
-    return next(rank for rank, (op, sig, _) in passed.items() if (op, sig) == rare)
 
 
 def attach_mismatches(state: RunState, run_dir: RunDir) -> None:

@@ -16,8 +16,8 @@ them here about once a second, one JSON line per flush:
 - `t0` is the enqueue time (unix seconds), `duration` enqueue to completion. For calls completed
   by polling (`async`: async_op, isend/irecv, any call on CUDA tensors) the completion is known
   to within the heartbeat interval (about a second); `t0` is exact either way.
-- `sig`: what every rank must pass alike to the call (its tensors' dtypes and shapes, the reduce
-  op), for comparing ranks after the fact; null for calls whose arguments may differ between
+- `sig`: what every rank must pass alike to the call (its tensors' dtypes and element counts, the
+  reduce op), for comparing ranks after the fact; null for calls whose arguments may differ between
   ranks (gather, scatter, all_to_all, object collectives, point-to-point). Older files lack it.
 - `dropped`: completed calls that did not fit the buffer since the previous line (more than
   `Tracer.RECENT_MAX` calls within one flush interval).
