@@ -126,6 +126,10 @@ VARIANTS.update(
         # activations (trainer/unet_layout.py): what `default` ran before the trainer dropped them
         "default-diffusers-layout": {"model.keep_channels_last": False},
         "default-autotune": {"model.compile_mode": "max-autotune-no-cudagraphs"},
+        # the matmul and convolution kernels chosen by timing (cuBLAS, cuDNN, Triton templates)
+        # without that mode's coordinate-descent tuning of every kernel, whose compile did not
+        # finish (see default-coordtune)
+        "default-gemm-autotune": {"model.compile_options": ["max_autotune=true"]},
         "default-flash": {"model.attention_backend": "flash"},
         "default-cudnn": {"model.attention_backend": "cudnn"},
         "default-efficient": {"model.attention_backend": "efficient"},
