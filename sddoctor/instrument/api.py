@@ -182,7 +182,17 @@ class RankSession:
         self.mark_exit("error", 1)
         self.writer.flush()
 
-    def note_exit_call(self, caller: str | None, status: object, handling: BaseException | None = None) -> None:
+    def note_thread_exception(self, message: str, **fields: Any) -> None:
+        """A thread of this rank died of an uncaught exception (exit_hooks): a `thread_exception`
+        warning, flushed at once (the thread's collectives stop with it, and a hang may follow)."""
+        self.writer.emit(
+            EventKind.WARNING, code="thread_exception", message=message, step=self.current_step, **fields
+        )
+        self.writer.flush()
+
+    def note_exit_call(
+        self, caller: str | None, status: object, handling: BaseException | None = None
+    ) -> None:
         """sys.exit(status) or os._exit(status) with a failure status was called at `caller`
         (exit_hooks), while `handling` that exception (`except ...: sys.exit(1)`, the usual end of a
         script that prints its own traceback): that exception is what failed, and is recorded.
@@ -231,7 +241,9 @@ class RankSession:
         if self.heartbeat is not None:
             self.heartbeat.flush_now()  # the last second of collectives, before the exit event
         status, code = self._exit  # type: ignore[misc]
-        self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields())
+        self.writer.emit(
+            EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields()
+        )
         self.writer.update_state(status="exited")
         self.writer.flush()
 
@@ -374,7 +386,9 @@ class RankSession:
             self.heartbeat.close()
         if not self._exit_written:
             self._exit_written = True
-            self.writer.emit(EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields())
+            self.writer.emit(
+                EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields()
+            )
             self.writer.update_state(status="exited")
         self.writer.close()
 

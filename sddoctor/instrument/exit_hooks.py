@@ -2,6 +2,10 @@
 
 - `sys.excepthook` is chained: an `exception` event (type, message, traceback frames, caller)
   is written and flushed, then the previous hook prints the traceback as usual.
+- `threading.excepthook` is chained: a thread's uncaught exception is a `thread_exception`
+  warning (the rank goes on; its peers may wait for the collectives that thread never issues).
+- A process forked from the rank (a multiprocessing or DataLoader worker) inherits all of this
+  but is not the rank: it records nothing and gets SIGTERM back as it was.
 - `sys.exit` and `os._exit` are wrapped: a failure status notes the user's line that called it,
   and `os._exit`, which skips atexit, writes the `exit` event and flushes first.
 - Fatal signals (SIGSEGV, SIGABRT from gloo/NCCL, SIGFPE, SIGBUS, SIGILL): `faulthandler`
@@ -76,7 +80,9 @@ def uncaught_exception() -> BaseException | None:
     if tb is None:
         return None
     outer = tb.tb_frame
-    if outer.f_globals.get("__name__") in ("__main__", "runpy") or outer.f_code.co_filename.endswith("runpy>"):
+    if outer.f_globals.get("__name__") in ("__main__", "runpy") or outer.f_code.co_filename.endswith(
+        "runpy>"
+    ):
         return exc
     return None
 
@@ -146,7 +152,7 @@ def install(session: Any, *, grace: float = 1.0) -> None:
         _installed["excepthook"] = previous
 
         def hook(etype: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-            current = _installed.get("session")
+            current = _own_session()
             if current is not None:
                 try:
                     current.record_exception(exc, tb)
@@ -155,12 +161,38 @@ def install(session: Any, *, grace: float = 1.0) -> None:
             previous(etype, exc, tb)
 
         sys.excepthook = hook
+    if "threading.excepthook" not in _installed:
+        _install_thread_hook()
     if "sys.exit" not in _installed:
         _install_exit_caller()
     if "os._exit" not in _installed:
         _install_os_exit()
     if "sigterm" not in _installed and threading.current_thread() is threading.main_thread():
         _install_sigterm(grace)
+
+
+def _install_thread_hook() -> None:
+    """Chain threading.excepthook: a thread of the rank that dies of an uncaught exception (a
+    metrics or prefetch thread issuing its own collectives) leaves a `thread_exception` warning,
+    and the peers' threads may then wait forever for the collectives it never issues. Python
+    prints the traceback to stderr and the rank goes on, so nothing else records it."""
+    previous = threading.excepthook
+    _installed["threading.excepthook"] = previous
+
+    def hook(args: Any) -> None:
+        current = _own_session()
+        if current is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            try:
+                fields = exception_fields(args.exc_value, args.exc_traceback)
+                name = getattr(args.thread, "name", None) or "?"
+                message = f"thread {name!r} ended with {fields['type']}: {fields['message'][:300]}"
+                error = fields.pop("message")
+                current.note_thread_exception(message, thread=name, error=error, **fields)
+            except Exception:  # noqa: BLE001 - the original hook must still run
+                pass
+        previous(args)
+
+    threading.excepthook = hook
 
 
 def _install_exit_caller() -> None:
@@ -171,7 +203,7 @@ def _install_exit_caller() -> None:
 
     def exit_noting_caller(status: object = None) -> None:
         try:
-            current = _installed.get("session")
+            current = _own_session()
             if current is not None and status not in (None, 0):
                 from sddoctor.instrument.tracing import user_caller  # only on the way out
 
@@ -192,9 +224,8 @@ def _install_os_exit() -> None:
 
     def exit_flushing(status: int) -> None:
         try:
-            current = _installed.get("session")
-            # a forked child (a DataLoader or multiprocessing worker) ends with os._exit: not the rank
-            if current is not None and current.pid == os.getpid():
+            current = _own_session()  # a forked worker ends with os._exit: it is not the rank
+            if current is not None:
                 if status != 0:
                     from sddoctor.instrument.tracing import user_caller  # only on the way out
 
@@ -240,6 +271,9 @@ def _install_sigterm(grace: float) -> None:
         os.close(read_fd)
         os.close(write_fd)
         return
+    _installed["sigterm_pipe"] = (read_fd, write_fd, previous)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forget_sigterm_in_child)
     default_action = not callable(previous)
     threading.Thread(
         target=_watch_signals,
@@ -247,6 +281,31 @@ def _install_sigterm(grace: float) -> None:
         name="sddoctor-signals",
         daemon=True,
     ).start()
+
+
+def _forget_sigterm_in_child() -> None:
+    """In a process forked from the rank (a `multiprocessing.Pool` or DataLoader worker): SIGTERM
+    as it was before sddoctor, and no wakeup pipe. The watcher thread is not in the child, but the
+    pipe is shared: a worker's SIGTERM (`Pool.__exit__` terminates its workers) would otherwise be
+    read by the rank's watcher as the rank's own and end the healthy rank."""
+    pipe = _installed.pop("sigterm_pipe", None)
+    if pipe is None:
+        return
+    read_fd, write_fd, previous = pipe
+    try:
+        if signal.getsignal(signal.SIGTERM) is _installed.get("sigterm"):
+            signal.signal(signal.SIGTERM, previous)
+        old_fd = signal.set_wakeup_fd(-1)
+        if old_fd not in (-1, write_fd):  # the program's own, set after ours: keep it
+            signal.set_wakeup_fd(old_fd)
+    except (ValueError, OSError, TypeError):
+        pass
+    for fd in (read_fd, write_fd):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _installed.pop("sigterm", None)  # the child may install its own if it becomes a rank
 
 
 def _watch_signals(
@@ -288,9 +347,19 @@ def _die_by_default_sigterm() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _own_session() -> Any:
+    """The rank's session, or None in a process forked from the rank (a multiprocessing or
+    DataLoader worker inherits the session object, but its exceptions, exits and signals are not
+    the rank's)."""
+    session = _installed.get("session")
+    if session is None or getattr(session, "pid", None) != os.getpid():
+        return None
+    return session
+
+
 def _flush(status: str | None, code: int) -> None:
     """Write what is buffered; with a `status`, the `exit` event too (the process is about to die)."""
-    session = _installed.get("session")
+    session = _own_session()
     if session is None:
         return
     try:
