@@ -146,6 +146,7 @@ class _Rec:
         "peer",
         "ddp",
         "reduce",
+        "user_async",
     )
     op: str
     key: str
@@ -165,12 +166,15 @@ class _Rec:
     ddp: str | None
     #: the reduce op passed to a reducing collective (a torch ReduceOp, named at flush time)
     reduce: Any
+    #: the program asked for a Work back (async_op=True, isend/irecv) and waits for it when it
+    #: chooses: such a call may stay pending while the program goes on
+    user_async: bool
 
     def __init__(self) -> None:
         # optional fields default here so every construction site (and a hand-built record)
         # yields a complete record; the call sites fill in the rest
         self.handle, self.t1, self.peer, self.ddp, self.reduce = None, None, None, None, None
-        self.deferred, self.exact_end = False, False
+        self.deferred, self.exact_end, self.user_async = False, False, False
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -183,6 +187,8 @@ class _Rec:
             "since": self.t0,
             "async": self.deferred,
         }
+        if self.user_async:
+            d["user_async"] = True
         if self.peer is not None:
             d["peer"] = self.peer
         if self.ddp is not None:
@@ -362,7 +368,9 @@ class Tracer:
         rec.shapes, rec.dtypes, on_cuda = _describe(payload, spec.kind)
         position = REDUCE_OP_POSITION.get(spec.name)
         if position is not None:
-            rec.reduce = kwargs["op"] if "op" in kwargs else (args[position] if position < len(args) else "SUM")
+            rec.reduce = (
+                kwargs["op"] if "op" in kwargs else (args[position] if position < len(args) else "SUM")
+            )
         else:
             rec.reduce = None
         if frame is not None:
@@ -373,6 +381,7 @@ class Tracer:
         rec.t1 = None
         rec.deferred = False
         rec.exact_end = False
+        rec.user_async = False
         rec.ddp = (
             "bucket"
             if getattr(_tls, "gradient_bucket", False)
@@ -483,6 +492,7 @@ class Tracer:
         """The call returned: complete now, or keep its Work / a CUDA event to poll."""
         if user_async:
             st.current = None
+            rec.user_async = True
             if result is None:
                 self._finish(rec, time.time())
             else:

@@ -79,6 +79,8 @@ class Job:
     reaped: dict[int, int] = field(default_factory=dict)
     exit_code: int | None = None
     exit_time: float | None = None
+    #: pids sddoctor itself sent SIGKILL when stopping the job (they wrote no exit record)
+    killed_hard: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)
     _stop_death_watch: threading.Event = field(default_factory=threading.Event)
@@ -328,6 +330,7 @@ class Job:
             self.poll()
             time.sleep(0.05)
         survivors = self.alive_processes()
+        self.killed_hard.update(p.pid for p in (procs if first_signal == signal.SIGKILL else survivors))
         for p in survivors:
             _send(p, signal.SIGKILL)
         if survivors:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sddoctor.telemetry.runinfo import HANG_TIMEOUT, STARTUP_TIMEOUT, STRAGGLER_RATIO
-from sddoctor.telemetry.snapshot import RankSnapshot
+from sddoctor.telemetry.snapshot import Collective, RankSnapshot
 
 #: Verdict kinds, in the order a report lists them when several apply.
 VERDICT_KINDS = (
@@ -226,9 +226,35 @@ class RunState:
     payload_mismatches: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def stalled_for(self) -> float:
+    def blocked_call(self) -> tuple[int, Collective] | None:
+        """(rank, call) of the call that has held a live rank longest: a blocking collective, or
+        one DDP waits for, not a Work the program may leave pending (`Collective.holds_the_rank`)."""
+        oldest: tuple[int, Collective] | None = None
+        for r in self.ranks.values():
+            if r.exited:
+                continue
+            for c in r.snapshot.inflight:
+                if c.since is None or not c.holds_the_rank:
+                    continue
+                if oldest is None or c.since < (oldest[1].since or c.since):
+                    oldest = (r.rank, c)
+        return oldest
+
+    @property
+    def stalled_since(self) -> float:
+        """Since when the job has stalled: its last progress, or, if earlier, the start of the call
+        that has held a rank longest. Progress elsewhere (a thread's collectives on another group,
+        another rank's steps) does not hide a rank stuck in one call for the hang timeout, and the
+        time stays put while the stall lasts, so one stall is one hang."""
         since = self.last_progress if self.last_progress is not None else self.started
-        return max(0.0, self.now - since)
+        blocked = self.blocked_call
+        if blocked is not None and blocked[1].since is not None and blocked[1].since < since:
+            return blocked[1].since
+        return since
+
+    @property
+    def stalled_for(self) -> float:
+        return max(0.0, self.now - self.stalled_since)
 
     @property
     def in_startup(self) -> bool:

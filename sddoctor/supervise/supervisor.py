@@ -70,7 +70,7 @@ class Supervisor:
         self.state: RunState = self.watcher.state()
         self.verdicts: list[Verdict] = []
         self.hang_verdicts: list[Verdict] = []  # frozen at the hang, survive our own kill
-        self.hang_handled_at: tuple[float | None] | None = None  # (last_progress,) of the hang acted on
+        self.hang_handled_at: tuple[float | None] | None = None  # (stalled_since,) of the hang acted on
         self.stacks_problem: str | None = None
         self.unjoined: list[dict[str, Any]] = []
         self.stragglers = StragglerTracker()
@@ -146,6 +146,9 @@ class Supervisor:
         for rank_id in sorted(self.state.ranks):
             rank = self.state.ranks[rank_id]
             how = describe_exit(rank.exit) if rank.exit else ("still running" if rank.alive else "ended")
+            known = (rank.exit or {}).get("signal") or (rank.exit or {}).get("code") is not None
+            if rank.pid in self.job.killed_hard and not known:
+                how = "killed by sddoctor with SIGKILL as it stopped the job (no exit record)"
             self.say(f"rank {rank_id}" + (f" (pid {rank.pid})" if rank.pid else "") + f": {how}")
 
     def _loop(self) -> None:
@@ -195,16 +198,22 @@ class Supervisor:
         if declared is not None:
             self._sample_straggler(declared, state)
         state.hang_declared_by = self._peer_hang(state)
-        if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != state.last_progress):
-            self.hang_handled_at = (state.last_progress,)
+        stalled_since = state.stalled_since
+        if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != stalled_since):
+            self.hang_handled_at = (stalled_since,)
             self.on_hang(state)
         verdicts = diagnose(state)
-        resumed = self.hang_handled_at is not None and state.last_progress != self.hang_handled_at[0]
+        resumed = self.hang_handled_at is not None and stalled_since != self.hang_handled_at[0]
         if resumed:
             self.handling_hang = False
         if self.hang_verdicts and resumed and self.stopped_by is None and self.job.exit_code is None:
             for v in self.hang_verdicts:
-                v.details["resolved"] = True  # progress resumed after the stall
+                if not v.details.get("resolved"):  # progress resumed after the stall: it was not fatal
+                    v.details["resolved"] = True
+                    v.severity = "warning"
+                    stalled = v.details.get("stalled_seconds")
+                    lasted = f" after more than {stalled:.0f} s" if isinstance(stalled, (int, float)) else ""
+                    v.summary = f"stall, resolved{lasted} (progress resumed): {v.summary}"
         self.state = state
         self.verdicts = merge_verdicts(self.hang_verdicts, verdicts)
         for v in self.verdicts:
@@ -243,7 +252,15 @@ class Supervisor:
                 rank.exit = {**(rank.exit or {}), **proc.exit}
 
     def on_hang(self, state: RunState) -> None:
-        if any(r.snapshot.started_work for r in state.ranks.values()):
+        blocked = state.blocked_call
+        progress = state.last_progress if state.last_progress is not None else state.started
+        if blocked is not None and blocked[1].since is not None and blocked[1].since < progress - 1.0:
+            rank, call = blocked
+            self.say(
+                f"rank {rank} has waited {state.now - blocked[1].since:.0f} s in {call.op or 'a collective'} "
+                f"#{call.seq} while other work went on: diagnosing a hang"
+            )
+        elif any(r.snapshot.started_work for r in state.ranks.values()):
             self.say(f"no progress for {state.stalled_for:.0f} s: diagnosing a hang")
         else:
             self.say(f"no rank got past its start-up in {state.now - state.started:.0f} s: diagnosing a hang")

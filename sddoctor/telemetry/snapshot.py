@@ -61,6 +61,8 @@ class Collective:
     #: issued by DDP inside a training step: "bucket" (a gradient bucket's all-reduce, in the
     #: backward) or "buffers" (the buffer broadcast before the forward); None for any other call
     ddp: str | None = None
+    #: the program asked for a Work back (async_op=True, isend/irecv): it may wait for it later
+    user_async: bool = False
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -78,6 +80,7 @@ class Collective:
             is_async=record.get("async") is True,
             peer=_int(record.get("peer")),
             ddp=_str(record.get("ddp")),
+            user_async=record.get("user_async") is True,
             record=record,
         )
 
@@ -89,6 +92,13 @@ class Collective:
         if self.t is not None and self.duration is not None:
             return self.t - self.duration
         return None
+
+    @property
+    def holds_the_rank(self) -> bool:
+        """Whether the rank cannot go on until this call completes: a blocking call, or one DDP
+        waits for within its step. A Work the program asked for (async_op=True, isend/irecv) may
+        be left pending on purpose (an early-stop flag polled with is_completed())."""
+        return not self.user_async or self.ddp is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The record as it was written (report.json's details)."""
