@@ -105,7 +105,7 @@ def run_parser() -> argparse.ArgumentParser:
         "--preflight",
         action="store_true",
         help="run `sddoctor check-nccl --quick` (checks and a short collective test, 30 s limit) before "
-        "launching; a `fail` finding stops here (exit 3)",
+        "launching; a `fail` finding stops here (exit 4)",
     )
     p.add_argument(
         "--preflight-continue",

@@ -81,7 +81,9 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
         rank, exit_info = item
         sig = (exit_info or {}).get("signal")
         message = str((rank.exception or {}).get("message", ""))
-        victim = int(bool(sig and int(sig) in STOP_SIGNALS)) + int(bool(PEER_FAILURE.search(message)))
+        # stopped by the launcher after one rank failed, unless it had raised an error of its own
+        stopped = bool(sig and int(sig) in STOP_SIGNALS) and _own_error(rank) is None
+        victim = int(stopped) + int(bool(PEER_FAILURE.search(message)))
         root = (
             0
             if any(f.get("rank") == rank.rank and f.get("root_cause") for f in state.launcher_failures)
@@ -119,7 +121,38 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
         if gave_up is not None:
             return [gave_up]
     others = sorted(r.rank for r, _ in candidates if r.rank != primary.rank)
-    return [_crash_verdict(state, primary, exit_info, others)]
+    verdict = _crash_verdict(state, primary, exit_info, others)
+    _note_same_error(state, verdict, primary, others)
+    return [verdict]
+
+
+def _own_error(rank: RankState) -> str | None:
+    """The type of the exception the rank raised itself (not one saying a peer went away)."""
+    exc = rank.exception or {}
+    if not exc or PEER_FAILURE.search(str(exc.get("message", ""))):
+        return None
+    return str(exc.get("type") or "Exception")
+
+
+def _note_same_error(state: RunState, verdict: Verdict, primary: RankState, others: list[int]) -> None:
+    """Ranks that raised the same error themselves are not consequences of the first: every rank
+    ran into it (a bug in code all ranks run, such as DDP's unused-parameter error)."""
+    error = _own_error(primary)
+    same = [
+        r for r in others if r in state.ranks and error is not None and _own_error(state.ranks[r]) == error
+    ]
+    if not same:
+        return
+    rest = [r for r in others if r not in same]
+    verdict.details["same_error"] = same
+    verdict.details["consequences"] = rest
+    cut = verdict.summary.rfind("; rank")
+    summary = verdict.summary[:cut] if cut >= 0 else verdict.summary
+    who = f"rank{'s' if len(same) > 1 else ''} {join_ranks(same)}"
+    summary += f"; {who} raised the same {error} {'themselves' if len(same) > 1 else 'itself'}"
+    if rest:
+        summary += f"; rank{'s' if len(rest) > 1 else ''} {join_ranks(rest)} stopped as a consequence"
+    verdict.summary = summary
 
 
 #: How long after the peer that lost it a rank's own exit record may come (it closes its connections

@@ -104,6 +104,43 @@ def in_dataloader(rank: RankState) -> bool:
 
 
 def diagnose_hang(state: RunState) -> list[Verdict]:
+    """The hang's verdicts (`classify_hang`), with the threads of the ranks that died of an
+    uncaught exception before it (`thread_exception` warnings) as evidence."""
+    return [_with_thread_deaths(state, v) for v in classify_hang(state)]
+
+
+def _with_thread_deaths(state: RunState, verdict: Verdict) -> Verdict:
+    """A rank's thread that died of an exception stops issuing its collectives while the rank goes
+    on, so its peers' threads wait forever in the next one. When that thread issued the culprit's
+    calls on the group the verdict names (its last call there is in a file of the thread's
+    traceback), the thread's death is the cause and its line the location."""
+    deaths = [
+        (r.rank, w) for r in state.ranks.values() for w in r.warnings if w.get("code") == "thread_exception"
+    ]
+    for rank, w in deaths:
+        where = f" at {w['caller']}" if isinstance(w.get("caller"), str) else ""
+        verdict.evidence.append(f"rank {rank}: {w.get('message')}{where}")
+    mine = [w for r, w in deaths if r == verdict.culprit_rank]
+    if not mine or verdict.culprit_rank not in state.ranks:
+        return verdict
+    death = mine[-1]
+    verdict.details["thread_exception"] = {
+        k: death.get(k) for k in ("thread", "type", "error", "caller", "traceback", "t")
+    }
+    sightings = state.ranks[verdict.culprit_rank].arrivals.get(str(verdict.details.get("pg")), {})
+    last_caller = sightings[max(sightings)].caller if sightings else None
+    thread_files = {frame_path(str(f)) for f in death.get("traceback") or []}
+    if last_caller and frame_path(last_caller) in thread_files:
+        verdict.summary += (
+            f". Rank {verdict.culprit_rank}'s {death.get('message')}"
+            + (f" (at {death['caller']})" if isinstance(death.get("caller"), str) else "")
+            + ": that thread issued these calls, and they stopped with it"
+        )
+        verdict.location = death.get("caller") or verdict.location
+    return verdict
+
+
+def classify_hang(state: RunState) -> list[Verdict]:
     """Classify a hang by where every rank is: who is missing, who disagrees, or all waiting.
 
     Ranks are compared per process group, among the group's members: a rank inside another
