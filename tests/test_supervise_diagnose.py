@@ -198,9 +198,33 @@ def test_hang_classification(state: RunState, kind: str, culprit: int | None, lo
 
 
 def test_no_hang_before_timeout() -> None:
-    state = hung(rank(0, inflight=[call(7)]), rank(1, issued=6))
+    state = hung(rank(0, inflight=[call(7, since=NOW - 4.0)]), rank(1, issued=6))
     state.last_progress = NOW - 4.0  # timeout is 5 s
     assert not [v for v in diagnose(state) if v.kind.startswith("hang")]
+
+
+def test_a_rank_held_in_one_call_for_the_timeout_is_a_hang_though_others_progress() -> None:
+    """Progress elsewhere (a thread's collectives on its own group) does not hide rank 0 waiting
+    10 s in one all-reduce for rank 1; the stall is dated from that call, so it stays one hang."""
+    state = hung(rank(0, inflight=[call(7)]), rank(1, issued=6))
+    state.last_progress = NOW - 1.0
+    assert state.stalled_since == 990.0 and state.stalled_for == 10.0
+    (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert (v.kind, v.culprit_rank) == ("hang.missing_rank", 1), v.summary
+
+
+def test_a_work_the_program_left_pending_is_not_a_stall() -> None:
+    """An irecv or async_op Work may stay pending on purpose (an early-stop flag polled with
+    is_completed()); one DDP issued (a gradient bucket) holds the rank's step, and counts."""
+    pending = {**call(7), "async": True, "user_async": True}
+    state = hung(rank(0, inflight=[pending]), rank(1, issued=6))
+    state.last_progress = NOW - 1.0
+    assert state.blocked_call is None and state.stalled_for == 1.0
+    assert not [v for v in diagnose(state) if v.kind.startswith("hang")]
+    bucket = {**pending, "ddp": "bucket"}
+    state = hung(rank(0, inflight=[bucket]), rank(1, issued=6))
+    state.last_progress = NOW - 1.0
+    assert state.stalled_for == 10.0
 
 
 def test_no_hang_while_every_rank_is_still_setting_up() -> None:

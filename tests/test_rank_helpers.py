@@ -1,0 +1,111 @@
+"""Ranks with helpers, run unchanged under `sddoctor run` (`tests/clients/rank_helpers.py`, 2
+ranks, CPU, gloo): forked multiprocessing workers, a background thread with collectives of its
+own, a Work left pending on purpose, and a bug every rank shares. What sddoctor adds to a rank
+must not end it, progress on a thread must not hide a stuck rank, and a verdict must not blame
+one rank for what all ranks did.
+
+The runs start side by side in one module-scoped fixture; each test reads one report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from client_fixtures import CLIENTS, assert_no_sddoctor_traceback
+from supervise_fixtures import Supervised, run_side_by_side, run_supervised, script_line, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SCRIPT = CLIENTS / "rank_helpers.py"
+KILL = ("--hang-timeout", "4", "--on-hang", "kill")
+CASES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "pool": ({"POOL": "1"}, KILL),
+    # rank 1 stuck 60 s reading a batch; both meter threads go on all-reducing meanwhile
+    "stuck-behind-thread": ({"METER": "1", "STALL": "60"}, KILL),
+    # the same stall for 9 s with --on-hang dump: diagnosed at 4 s, then the job goes on
+    "stall-resolved": ({"METER": "1", "STALL": "9"}, ("--hang-timeout", "4")),
+    "thread-dies": ({"METER": "1", "THREAD_DIES": "1", "STEPS": "120"}, KILL),
+    # rank 0's irecv stays pending for the whole loop (about 6 s, longer than the hang timeout)
+    "pending-irecv": ({"PENDING": "1", "STEPS": "60"}, KILL),
+    "unused": ({"UNUSED": "1"}, KILL),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised]:
+    root = tmp_path_factory.mktemp("rank-helpers")
+
+    def one(name: str, where: Path) -> Supervised:
+        env, options = CASES[name]
+        job = torchrun(2, "--standalone", str(SCRIPT))
+        return run_supervised(where, job, options=options, env={"OMP_NUM_THREADS": "1", **env}, timeout=150)
+
+    return run_side_by_side(root, CASES, one)
+
+
+def _run(runs: dict[str, Supervised], name: str, returncode: int) -> Supervised:
+    res = runs[name]
+    assert_no_sddoctor_traceback(res)
+    assert res.returncode == returncode, res.stderr[-3000:]
+    return res
+
+
+def test_a_pool_that_terminates_its_forked_workers_leaves_the_ranks_alone(runs: dict) -> None:
+    """`Pool.__exit__` sends SIGTERM to its workers, which inherited the rank's signal set-up:
+    the rank must neither die of it nor have its workers' ends recorded as its own."""
+    res = _run(runs, "pool", 0)
+    assert res.report["outcome"] == "ok" and res.report["verdicts"] == [], res.report["verdicts"]
+    assert res.stdout.count("done") == 2, res.stdout
+    for rank in (0, 1):
+        exits = res.events(rank, "exit")
+        assert [(e["status"], e["code"]) for e in exits] == [("ok", 0)], exits
+
+
+def test_a_rank_stuck_while_its_thread_keeps_collectives_going_is_a_hang(runs: dict) -> None:
+    """The meter threads' all-reduces are progress of a kind, but rank 0 has waited in one
+    all-reduce for the hang timeout: rank 1 is named, at the line where it is stuck."""
+    res = _run(runs, "stuck-behind-thread", 124)
+    (v,) = res.verdicts("hang")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# marker: stuck read", SCRIPT), v
+    assert v["details"]["waiting_ranks"] == [0], v
+    assert "while other work went on" in res.stderr, res.stderr[-2000:]
+    assert not res.verdicts("straggler"), res.report["verdicts"]
+
+
+def test_a_stall_that_resolves_is_a_warning_and_the_job_keeps_its_exit_code(runs: dict) -> None:
+    res = _run(runs, "stall-resolved", 0)
+    (v,) = res.verdicts("hang")
+    assert v["severity"] == "warning" and v["details"]["resolved"] is True, v
+    assert v["summary"].startswith("stall, resolved after more than"), v
+    assert v["culprit_rank"] == 1, v
+    assert res.stdout.count("done") == 2, res.stdout
+
+
+def test_a_thread_that_died_is_named_as_the_cause_of_its_peers_wait(runs: dict) -> None:
+    """Rank 1's meter thread raised; rank 1 trains on, rank 0's meter waits for it forever."""
+    res = _run(runs, "thread-dies", 124)
+    (v,) = res.verdicts("hang")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# marker: thread dies", SCRIPT), v
+    assert v["details"]["thread_exception"]["type"] == "RuntimeError", v
+    assert "metrics endpoint unreachable" in v["summary"], v
+    (warning,) = [w for w in res.events(1, "warning") if w["code"] == "thread_exception"]
+    assert warning["thread"] and warning["caller"] == v["location"], warning
+
+
+def test_a_work_left_pending_on_purpose_is_not_a_hang(runs: dict) -> None:
+    res = _run(runs, "pending-irecv", 0)
+    assert res.report["outcome"] == "ok" and res.report["verdicts"] == [], res.report["verdicts"]
+
+
+def test_an_error_every_rank_raises_is_not_blamed_on_one(runs: dict) -> None:
+    """DDP's unused-parameter error comes out of every rank's second forward: the verdict says
+    the other rank raised it too instead of calling it a consequence."""
+    res = _run(runs, "unused", 1)
+    (v,) = res.verdicts("crash")
+    assert v["location"] == script_line("# marker: unused forward", SCRIPT), v
+    other = 1 - v["culprit_rank"]
+    assert v["details"]["same_error"] == [other] and v["details"]["consequences"] == [], v
+    assert f"rank {other} raised the same RuntimeError itself" in v["summary"], v
+    assert "consequence" not in v["summary"], v
