@@ -35,3 +35,34 @@ def test_a_traceback_without_a_known_source_still_parses():
     nested = nested_traceback(text)
     assert nested is not None and nested.source == "" and nested.exception == "RuntimeError: x"
     assert nested.frames == ("/a.py:3 in f",)
+
+
+def _bad_record(i: int) -> int:
+    if i == 3:
+        raise ValueError(f"bad record {i}")  # the worker's line
+    return i
+
+
+def test_a_pool_workers_error_carries_the_workers_traceback():
+    """multiprocessing.Pool re-raises a worker's error in the rank with the worker's traceback as
+    its cause; the rank's hooks write it into the message, where the worker's line is read."""
+    import multiprocessing
+    from pathlib import Path
+
+    from sddoctor.instrument.exit_hooks import exception_fields
+    from sddoctor.supervise.diagnose_base import exception_location
+
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            pool.map(_bad_record, range(5))
+    except ValueError as exc:
+        fields = exception_fields(exc, exc.__traceback__)
+    nested = nested_traceback(fields["message"])
+    assert nested is not None and nested.source == "multiprocessing worker", fields["message"]
+    assert nested.exception == "ValueError: bad record 3"
+    here = Path(__file__).resolve()
+    worker_line = next(
+        n for n, line in enumerate(here.read_text().splitlines(), 1) if "# the worker's line" in line
+    )
+    assert nested.frames[-1] == f"{here}:{worker_line} in _bad_record"
+    assert exception_location(fields) == f"{here}:{worker_line}"

@@ -57,12 +57,30 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
         chosen = outside[-1] if outside else (frames[-1] if frames else None)
         if chosen is not None:
             caller = f"{chosen.filename}:{chosen.lineno}"
+    message = str(exc)
+    remote = _remote_traceback(exc)
+    if remote:
+        message = f"{message}\n\nCaught {type(exc).__name__} in multiprocessing worker. Original {remote}"
     return {
         "type": type(exc).__name__,
-        "message": str(exc)[:4000],
+        "message": message[-4000:] if remote else message[:4000],
         "traceback": [f"{fs.filename}:{fs.lineno} in {fs.name}" for fs in frames][-64:],
         "caller": caller,
     }
+
+
+def _remote_traceback(exc: BaseException) -> str | None:
+    """The worker's traceback of an exception re-raised from a `multiprocessing.Pool` or a
+    `ProcessPoolExecutor` worker: its cause, a RemoteTraceback, holds the text (the rank's own
+    traceback ends in the pool's `get`, which names no line of the user's function)."""
+    cause = exc.__cause__
+    if cause is None or "RemoteTraceback" not in type(cause).__name__:
+        return None
+    text = str(getattr(cause, "tb", None) or cause)
+    start = text.find("Traceback (most recent call last):")
+    if start < 0:
+        return None
+    return text[start:].replace('"""', "").rstrip()
 
 
 def uncaught_exception() -> BaseException | None:

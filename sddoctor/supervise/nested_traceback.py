@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass
 
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$', re.MULTILINE)
-_SOURCE = re.compile(r"Caught \w+ in (?P<source>DataLoader worker process \d+|pin memory thread[^.]*)")
+_SOURCE = re.compile(
+    r"Caught \w+ in (?P<source>DataLoader worker process \d+|pin memory thread[^.]*|multiprocessing worker)"
+)
 _START = "Traceback (most recent call last):"
 
 
