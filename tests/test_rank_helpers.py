@@ -80,6 +80,7 @@ def test_a_stall_that_resolves_is_a_warning_and_the_job_keeps_its_exit_code(runs
     assert v["summary"].startswith("stall, resolved after more than"), v
     assert v["culprit_rank"] == 1, v
     assert res.stdout.count("done") == 2, res.stdout
+    assert not res.verdicts("straggler"), res.report["verdicts"]  # one stall, not a straggler
 
 
 def test_a_thread_that_died_is_named_as_the_cause_of_its_peers_wait(runs: dict) -> None:

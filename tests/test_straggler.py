@@ -74,6 +74,17 @@ def test_one_late_arrival_is_not_a_straggler() -> None:
     assert stragglers(state_of(ranks)) == []
 
 
+def test_one_long_stall_of_a_slightly_later_rank_is_not_a_straggler() -> None:
+    """Rank 1 is a little later at every step (well below the ratio) and once stalls 9 s (a
+    stuck read that then resolved): the stall is most of its lateness and of the others' wait,
+    but one late arrival, reported as a stall, not as a rank that keeps the others waiting."""
+    ranks = synced([0.05, 0.06], n=40, late={30: (1, 9.0)})
+    finding = analyse(state_of(ranks))
+    assert finding is not None and finding.rank == 1 and finding.largest_share > 0.9
+    assert stragglers(state_of(ranks)) == []
+    assert stragglers(state_of(synced([0.05, 0.06], n=40, late={30: (1, 0.005)}))) == []
+
+
 def test_ranks_taking_turns_are_not_stragglers() -> None:
     ranks = synced([0.05, 0.05], n=40)
     for k in range(1, 41):  # whoever is last changes every collective, by 0.1 s
