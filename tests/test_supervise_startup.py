@@ -27,6 +27,11 @@ STUCK_BEFORE_INIT = textwrap.dedent(
     import torch.multiprocessing as mp
 
     def load_model(rank):
+        how = os.environ.get("HOW", "sleep")
+        if rank == 1 and how == "raise":
+            raise FileNotFoundError("no checkpoint for rank 1")  # RAISE: before init_process_group
+        if rank == 1 and how == "kill":
+            os.kill(os.getpid(), 9)  # as the OOM killer would
         if rank == 1:
             time.sleep(3600)  # LOAD: a model load that never finishes
 
@@ -73,6 +78,31 @@ def test_a_rank_stuck_before_init_is_a_startup_hang(tmp_path: Path, launcher: st
         assert any(name.startswith("pid-") for name in stacks), stacks
     else:
         assert "rank-00001.json" in stacks
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_worker_that_dies_before_init_is_the_crash_not_the_rank_it_left_waiting(
+    tmp_path: Path, launcher: str, how: str
+) -> None:
+    """Under mp.spawn the dead worker never became a rank (no RANK, no rank file) and rank 0 dies
+    of the parent's SIGTERM: the worker, by its spawn index, is the crash, not rank 0."""
+    script = tmp_path / "dies.py"
+    script.write_text(STUCK_BEFORE_INIT)
+    job = torchrun(2, str(script)) if launcher == "torchrun" else [sys.executable, str(script)]
+    env = {"MASTER_PORT": str(free_port()), "HOW": how}
+    res = run_supervised(tmp_path, job, options=("--hang-timeout", "5", "--on-hang", "kill"), env=env)
+    assert res.returncode == 1, res.stderr
+    (v,) = res.verdicts()
+    assert (v["kind"], v["culprit_rank"]) == ("crash", 1), v
+    if how == "raise":
+        assert v["location"] == _line(script, "# RAISE"), v
+        assert "FileNotFoundError: no checkpoint for rank 1" in v["summary"], v
+    else:
+        assert "SIGKILL" in v["summary"] or "signal 9" in v["summary"], v
+    if launcher == "spawn":
+        assert v["summary"].startswith("mp.spawn worker 1 ") and v["details"]["joined"] is False, v
+        assert v["details"]["consequences"] in ([], [0]), v
 
 
 def test_every_rank_waiting_in_init_is_a_rendezvous_that_cannot_complete(tmp_path: Path) -> None:

@@ -64,24 +64,49 @@ class SpawnedWorker:
     def __call__(self, index: int, *args: Any) -> Any:
         global spawned_at
         spawned_at = self.spawned_at
-        _note(f"pid-{os.getpid()}", {"pid": os.getpid(), "spawn_index": index, "nprocs": self.nprocs})
+        note = {
+            "pid": os.getpid(),
+            "spawn_index": index,
+            "nprocs": self.nprocs,
+            "spawned_at": self.spawned_at,
+        }
+        _note(f"pid-{os.getpid()}", note)
         try:
             return self.fn(index, *args)
         except Exception as exc:
-            record_exception(exc)
+            if not record_exception(exc):
+                _note_unjoined_exception(exc, index)
             raise
 
 
-def record_exception(exc: BaseException) -> None:
-    """Record `exc` as this rank's uncaught exception, if this process is a rank. Never raises."""
+def _note_unjoined_exception(exc: BaseException, index: int) -> None:
+    """A worker that is no rank yet (it failed before init_process_group) notes its exception
+    under RUN_DIR/procs/exc-PID.json: no rank file holds it, and the ranks that did join die of
+    the parent's SIGTERM, so without it a victim would be blamed. Never raises."""
+    try:
+        from sddoctor.instrument.exit_hooks import exception_fields
+
+        _note(
+            f"exc-{os.getpid()}",
+            {"pid": os.getpid(), "spawn_index": index, **exception_fields(exc, exc.__traceback__)},
+        )
+    except Exception as error:  # noqa: BLE001
+        internal_error("exception note of a spawned worker", error)
+
+
+def record_exception(exc: BaseException) -> bool:
+    """Record `exc` as this rank's uncaught exception, if this process is a rank (True then).
+    Never raises."""
     try:
         from sddoctor.instrument import api
 
         session = api.active()
         if session is not None and session.pid == os.getpid():
             session.record_exception(exc, exc.__traceback__)
+            return True
     except Exception as error:  # noqa: BLE001
         internal_error("exception record of a spawned worker", error)
+    return False
 
 
 def _patch_start_processes(module: Any) -> None:
@@ -149,7 +174,9 @@ def _note_worker_exits(context: Any, first: Any) -> None:
             if code is None or pid in noted:
                 continue
             noted.add(pid)
-            _note(f"exit-{pid}", {"pid": pid, "spawn_index": index, "exitcode": code, "first": index == first})
+            _note(
+                f"exit-{pid}", {"pid": pid, "spawn_index": index, "exitcode": code, "first": index == first}
+            )
     except Exception as error:  # noqa: BLE001
         internal_error("mp.spawn exit note", error)
 

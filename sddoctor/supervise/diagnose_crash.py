@@ -64,6 +64,9 @@ def _stop_slack(rank: RankState) -> float:
 
 def diagnose_crash(state: RunState) -> list[Verdict]:
     """The rank that died first and why; the others that followed are named but not blamed."""
+    unjoined = _unjoined_worker_crash(state)
+    if unjoined is not None:
+        return [unjoined]
     candidates: list[tuple[RankState, dict[str, Any] | None]] = []
     for rank in state.ranks.values():
         exit_info = rank_exit(rank, state)
@@ -124,6 +127,49 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
     verdict = _crash_verdict(state, primary, exit_info, others)
     _note_same_error(state, verdict, primary, others)
     return [verdict]
+
+
+def _unjoined_worker_crash(state: RunState) -> Verdict | None:
+    """An mp.spawn worker that failed before init_process_group, the failure torch saw first: it is
+    no rank, so no rank file holds it, and the ranks that had joined die of the parent's SIGTERM.
+    Named by its spawn index (the rank it would have been, as mp.spawn programs pass it on)."""
+    first = next((f for f in state.unjoined_failures if f.get("root_cause")), None)
+    if first is None:
+        return None
+    index, pid, code = first.get("spawn_index"), first.get("pid"), first.get("exitcode")
+    exc = first.get("exception") or {}
+    if exc:
+        how = raised_text(exc)
+    elif isinstance(code, int) and code < 0:
+        how = f"was killed by signal {-code} ({signal_name(-code)})"
+    else:
+        how = f"exited with code {code}"
+    location = exception_location(exc) if exc else None
+    died = [
+        r.rank for r in state.ranks.values() if r.exception is not None or abnormal_exit(rank_exit(r, state))
+    ]
+    summary = f"mp.spawn worker {index} (pid {pid}) died before it joined the process group: it {how}"
+    if location:
+        summary += f" at {location}"
+    elif first.get("spawned_at"):  # nothing says where it was: where the parent started it
+        location = first["spawned_at"]
+        summary += f"; it was started at {location}"
+    if died:
+        summary += f"; rank{'s' if len(died) > 1 else ''} {join_ranks(sorted(died))} stopped as a consequence"
+    culprit = index if isinstance(index, int) and index not in state.ranks else None
+    details: dict[str, Any] = {
+        "spawn_index": index,
+        "pid": pid,
+        "joined": False,
+        "exit": {"code": code} if not isinstance(code, int) or code >= 0 else {"signal": -code},
+        "consequences": sorted(died),
+        "traceback": exc.get("traceback") or last_traceback(state.stderr_tail),
+    }
+    if exc:
+        details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
+    evidence = [f"mp.spawn reported worker {index} (pid {pid}) as the first to fail, exit code {code}"]
+    evidence += [f"rank {r}: {describe_exit(rank_exit(state.ranks[r], state))}" for r in sorted(died)]
+    return Verdict("crash", "error", summary, culprit, location, details, evidence)
 
 
 def _own_error(rank: RankState) -> str | None:

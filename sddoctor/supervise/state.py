@@ -203,6 +203,8 @@ class RunState:
     unjoined: list[dict[str, Any]] = field(default_factory=list)
     #: Workers an mp.spawn parent started (a hint of the world size before any rank joins).
     spawned_nprocs: int | None = None
+    #: mp.spawn workers that failed before they became ranks (`watch.Watcher.unjoined_failures`).
+    unjoined_failures: list[dict[str, Any]] = field(default_factory=list)
     #: Stragglers declared by the supervisor's tracker (`straggler.Episode.to_dict()`); None when no
     #: tracker watched the run (the last window of arrivals is judged instead).
     straggler_episodes: list[dict[str, Any]] | None = None

@@ -43,6 +43,8 @@ class Watcher:
         self.proc_notes: dict[int, dict[str, Any]] = {}
         #: exit statuses an mp.spawn parent saw of its workers (exit-PID), by pid
         self.worker_exits: dict[int, dict[str, Any]] = {}
+        #: pid -> the exception of an mp.spawn worker that failed before it became a rank
+        self.worker_exceptions: dict[int, dict[str, Any]] = {}
         self._procs_seen: set[str] = set()
         self.ranks: dict[int, RankState] = {}
         self._tails: dict[int, EventTail] = {}
@@ -112,16 +114,47 @@ class Watcher:
                 self.proc_notes[note["pid"]] = note
             elif name.startswith("exit-") and isinstance(note.get("exitcode"), int):
                 self.worker_exits[note["pid"]] = note
+            elif name.startswith("exc-"):
+                self.worker_exceptions[note["pid"]] = note
 
-    def spawn_failures(self) -> list[dict[str, Any]]:
-        """The failed workers an mp.spawn parent saw end, as torchrun's failure summary reads
-        (`parse_launcher_failures`): the real exit status of a rank that sddoctor is not the parent
-        of. The worker torch blamed first is the root cause."""
+    def _pids_of_ranks(self) -> dict[int, int]:
         by_pid: dict[int, int] = {}
         for rank in self.ranks.values():
             for pid in (*(a.get("pid") for a in rank.attempts), rank.pid):
                 if isinstance(pid, int):
                     by_pid[pid] = rank.rank
+        return by_pid
+
+    def unjoined_failures(self) -> list[dict[str, Any]]:
+        """mp.spawn workers that failed before they became ranks (before init_process_group): their
+        spawn index, exit status, whether torch blamed them first, and their exception if noted."""
+        ranks = self._pids_of_ranks()
+        failures = []
+        for pid, note in sorted(self.worker_exits.items()):
+            if note["exitcode"] == 0 or pid in ranks:
+                continue
+            started = self.proc_notes.get(pid) or {}
+            failure = {
+                "pid": pid,
+                "spawn_index": note.get("spawn_index"),
+                "exitcode": note["exitcode"],
+                "root_cause": note.get("first") is True,
+                "t": note.get("t"),
+                "spawned_at": started.get("spawned_at"),
+            }
+            exc = self.worker_exceptions.get(pid)
+            if exc:
+                failure["exception"] = {
+                    k: exc.get(k) for k in ("type", "message", "traceback", "caller", "t")
+                }
+            failures.append(failure)
+        return failures
+
+    def spawn_failures(self) -> list[dict[str, Any]]:
+        """The failed workers an mp.spawn parent saw end, as torchrun's failure summary reads
+        (`parse_launcher_failures`): the real exit status of a rank that sddoctor is not the parent
+        of. The worker torch blamed first is the root cause."""
+        by_pid = self._pids_of_ranks()
         failures = []
         for pid, note in sorted(self.worker_exits.items()):
             if note["exitcode"] == 0 or pid not in by_pid:
@@ -285,6 +318,7 @@ class Watcher:
             straggler_ratio=self.options.straggler_ratio,
             startup_timeout=self.options.startup_timeout,
             spawned_nprocs=self.spawned_nprocs,
+            unjoined_failures=self.unjoined_failures(),
         )
         if facts is not None:
             apply_facts(state, facts)
