@@ -22,8 +22,9 @@ CASES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "pool": ({"POOL": "1"}, KILL),
     # rank 1 stuck 60 s reading a batch; both meter threads go on all-reducing meanwhile
     "stuck-behind-thread": ({"METER": "1", "STALL": "60"}, KILL),
-    # the same stall for 9 s with --on-hang dump: diagnosed at 4 s, then the job goes on
-    "stall-resolved": ({"METER": "1", "STALL": "9"}, ("--hang-timeout", "4")),
+    # the same stall for 8 s, twice, with --on-hang dump: each diagnosed at 4 s, then the job goes on
+    "stall-resolved": ({"METER": "1", "STALL": "8", "STALL_STEPS": "5,15"}, ("--hang-timeout", "4")),
+    "exit0": ({"EXIT_AT": "5"}, KILL),
     "thread-dies": ({"METER": "1", "THREAD_DIES": "1", "STEPS": "120"}, KILL),
     # rank 0's irecv stays pending for the whole loop (about 6 s, longer than the hang timeout)
     "pending-irecv": ({"PENDING": "1", "STEPS": "60"}, KILL),
@@ -73,14 +74,24 @@ def test_a_rank_stuck_while_its_thread_keeps_collectives_going_is_a_hang(runs: d
     assert not res.verdicts("straggler"), res.report["verdicts"]
 
 
-def test_a_stall_that_resolves_is_a_warning_and_the_job_keeps_its_exit_code(runs: dict) -> None:
+def test_stalls_that_resolve_are_warnings_each_kept_and_the_job_keeps_its_exit_code(runs: dict) -> None:
     res = _run(runs, "stall-resolved", 0)
-    (v,) = res.verdicts("hang")
-    assert v["severity"] == "warning" and v["details"]["resolved"] is True, v
-    assert v["summary"].startswith("stall, resolved after more than"), v
-    assert v["culprit_rank"] == 1, v
+    stalls = res.verdicts("hang")
+    assert [v["details"]["seq"] for v in stalls] == [5, 15], stalls
+    for v in stalls:
+        assert v["severity"] == "warning" and v["details"]["resolved"] is True, v
+        assert v["summary"].startswith("stall, resolved after more than"), v
+        assert v["culprit_rank"] == 1 and v["location"] == script_line("# marker: stuck read", SCRIPT), v
     assert res.stdout.count("done") == 2, res.stdout
-    assert not res.verdicts("straggler"), res.report["verdicts"]  # one stall, not a straggler
+    assert not res.verdicts("straggler"), res.report["verdicts"]  # two stalls, not a straggler
+
+
+def test_a_rank_that_leaves_by_os_exit_is_named_with_its_exit_line(runs: dict) -> None:
+    res = _run(runs, "exit0", 1)
+    (v,) = res.report["verdicts"]
+    assert (v["kind"], v["culprit_rank"]) == ("exited_early", 1), v
+    assert v["details"]["exit_call"] == script_line("# marker: os exit", SCRIPT), v
+    assert f"Rank 1 ended itself at {v['details']['exit_call']}" in v["summary"], v
 
 
 def test_a_thread_that_died_is_named_as_the_cause_of_its_peers_wait(runs: dict) -> None:

@@ -209,6 +209,11 @@ class RankSession:
         self._exit_call = self._exit_call or caller
         self.mark_exit("error", status if isinstance(status, int) else 1)
 
+    def note_clean_exit_call(self, caller: str | None) -> None:
+        """sys.exit(0) or os._exit(0) was called at `caller`: kept as the exit event's `caller`, so
+        a rank that leaves its loop early that way is named at that line."""
+        self._exit_call = self._exit_call or caller
+
     def _record_missed_uncaught(self) -> None:
         """The script replaced sys.excepthook without calling ours (a logging hook that calls
         sys.__excepthook__): its uncaught exception, which Python keeps in sys.last_value, is

@@ -222,11 +222,14 @@ def _install_exit_caller() -> None:
     def exit_noting_caller(status: object = None) -> None:
         try:
             current = _own_session()
-            if current is not None and status not in (None, 0):
+            if current is not None:
                 from sddoctor.instrument.tracing import user_caller  # only on the way out
 
                 # the innermost user frame: argparse's parser.error calls sys.exit for its caller
-                current.note_exit_call(user_caller(), status, sys.exc_info()[1])
+                if status in (None, 0):
+                    current.note_clean_exit_call(user_caller())
+                else:
+                    current.note_exit_call(user_caller(), status, sys.exc_info()[1])
         except Exception:  # noqa: BLE001 - the exit itself must happen
             pass
         original(status)  # type: ignore[arg-type]
@@ -244,10 +247,12 @@ def _install_os_exit() -> None:
         try:
             current = _own_session()  # a forked worker ends with os._exit: it is not the rank
             if current is not None:
-                if status != 0:
-                    from sddoctor.instrument.tracing import user_caller  # only on the way out
+                from sddoctor.instrument.tracing import user_caller  # only on the way out
 
+                if status != 0:
                     current.note_exit_call(user_caller(), status, sys.exc_info()[1])
+                else:
+                    current.note_clean_exit_call(user_caller())
                 current.exit_now("ok" if status == 0 else "error", status)
         except Exception:  # noqa: BLE001 - the exit itself must happen
             pass

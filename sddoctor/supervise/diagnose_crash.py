@@ -233,6 +233,9 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
     rank, issued, exit_info = min(gone, key=lambda item: death_time(item[0]))
     done = rank.snapshot.last_done
     location = done.caller if done is not None and done.caller else None
+    # the line that ended it, when it called sys.exit(0) or os._exit(0): named beside its last
+    # collective (a script's closing `sys.exit(main())` would say little on its own)
+    exit_call = (exit_info or {}).get("caller")
     waiting = sorted(r.rank for r in state.ranks.values() if r.rank not in {g[0].rank for g in gone})
     summary = (
         f"rank {rank.rank} ended (exit code 0) after {issued} collective{'s' if issued != 1 else ''} "
@@ -242,6 +245,8 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
         "numbers of collectives: uneven data per rank (DistributedSampler(drop_last=True), or DDP's "
         "Join context for uneven inputs) or a rank that leaves its loop early"
     )
+    if isinstance(exit_call, str):
+        summary += f". Rank {rank.rank} ended itself at {exit_call}"
     message = str((victim.exception or {}).get("message", "")).strip()
     evidence = [
         f"rank {rank.rank} {describe_exit(exit_info)} after {issued} collectives on group {pg}"
@@ -259,6 +264,7 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
             "issued": issued,
             "pg": pg,
             "waiting_in": seq,
+            "exit_call": exit_call if isinstance(exit_call, str) else None,
             "consequences": waiting,
             "victim_exception": {"type": (victim.exception or {}).get("type"), "message": message},
         },

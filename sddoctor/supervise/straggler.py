@@ -12,7 +12,7 @@ A straggler is persistent, not a blip: within the window (60 s) it must be the l
 most collectives that one rank reached clearly last, weighted by how late (`LAST_SHARE`: of the
 time the others waited for a last rank, most was for it; ties decide nothing), its busy time must be `straggler_ratio` times the median other
 rank's, the others must spend a real share of their time waiting for it, over enough collectives
-and steps, with no one collective holding most of its lateness (`MAX_ONE_ROUND_SHARE`); and
+and steps, late by a real margin at several collectives, not once or twice (`MIN_HEAVY_ROUNDS`); and
 `StragglerTracker` declares it only once that has held for `CONFIRM_SECONDS` and
 `CONFIRM_STEPS` more steps. The first steps, a compile, a checkpoint save on one rank or work all
 ranks share do not pass: each is one late arrival, or no skew at all. The live warning and the
@@ -42,9 +42,10 @@ MIN_OTHERS_WAIT_SHARE = 0.1
 #: its time goes
 MIN_CAUSE_SHARE = 0.25
 MIN_WAIT_SECONDS = 0.05
-#: the most of the straggler's lateness in the window that one collective may hold: one long late
-#: arrival (a stall, a save on one rank) is not a rank that keeps the others waiting
-MAX_ONE_ROUND_SHARE = 0.5
+#: the least number of collectives the straggler must be late at by a quarter of its worst
+#: lateness or more: one or two long late arrivals (stalls, a save on one rank) are not a rank
+#: that keeps the others waiting
+MIN_HEAVY_ROUNDS = 3
 CONFIRM_SECONDS = 10.0
 CONFIRM_STEPS = 5
 
@@ -68,8 +69,8 @@ class Finding:
     since: float
     until: float
     shares: dict[int, dict[str, float]] = field(default_factory=dict)
-    #: of the time the others waited for this rank in the window, the share of its latest arrival
-    largest_share: float = 0.0
+    #: collectives at which it was last by at least a quarter of its worst lateness in the window
+    heavy_rounds: int = 0
 
     @property
     def unit(self) -> str:
@@ -97,7 +98,7 @@ class Finding:
             and self.ratio >= ratio
             and self.others_wait_share >= MIN_OTHERS_WAIT_SHARE
             and self.others_wait_per_unit >= MIN_WAIT_SECONDS
-            and self.largest_share <= MAX_ONE_ROUND_SHARE
+            and self.heavy_rounds >= MIN_HEAVY_ROUNDS
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +111,7 @@ class Finding:
             "others_wait_per_unit": round(self.others_wait_per_unit, 4),
             "others_wait_share": round(self.others_wait_share, 4),
             "last_share": round(self.last_share, 3),
-            "largest_share": round(self.largest_share, 3),
+            "heavy_rounds": self.heavy_rounds,
             "percent_slower": round(100.0 * (self.ratio - 1.0), 1),
             "period": round(self.period, 4) if self.period else None,
             "collectives": self.collectives,
@@ -174,7 +175,7 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
         since=start,
         until=end,
         shares=shares,
-        largest_share=max(own) / sum(own) if own and sum(own) > 0 else 0.0,
+        heavy_rounds=sum(1 for m in own if m >= 0.25 * max(own)) if own else 0,
     )
 
 

@@ -149,6 +149,10 @@ class Supervisor:
             known = (rank.exit or {}).get("signal") or (rank.exit or {}).get("code") is not None
             if rank.pid in self.job.killed_hard and not known:
                 how = "killed by sddoctor with SIGKILL as it stopped the job (no exit record)"
+            elif (
+                rank.exit and not known
+            ):  # sddoctor stopped the job: the launcher's SIGKILL, not the OOM killer
+                how = "ended without an exit record as the job was stopped (killed hard by the launcher)"
             self.say(f"rank {rank_id}" + (f" (pid {rank.pid})" if rank.pid else "") + f": {how}")
 
     def _loop(self) -> None:
@@ -302,8 +306,10 @@ class Supervisor:
             )
         state.unjoined = unjoined
         self.unjoined = unjoined
-        self.hang_verdicts = [v for v in diagnose(state) if v.kind.startswith("hang.")]
-        for v in self.hang_verdicts:
+        # earlier stalls that resolved stay in the report (the last few), each with its own call
+        resolved = [v for v in self.hang_verdicts if v.details.get("resolved")][-4:]
+        self.hang_verdicts = resolved + [v for v in diagnose(state) if v.kind.startswith("hang.")]
+        for v in self.hang_verdicts[len(resolved) :]:
             self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
             self.printed.add((v.kind, v.culprit_rank))
         write_facts(self.opts.run_dir, self.facts())

@@ -4,8 +4,10 @@
   terminates its workers with SIGTERM.
 - METER=1: a background thread all-reduces a throughput counter on its own group every 0.2 s,
   for as long as the loop runs.
-- STALL=S: rank STALL_RANK (default 1) is stuck S seconds reading its batch at step AT, while its
-  peer waits in that step's all-reduce (the meter thread goes on meanwhile).
+- STALL=S: rank STALL_RANK (default 1) is stuck S seconds reading its batch at step AT (or at each
+  step of STALL_STEPS, "5,15"), while its peer waits in that step's all-reduce (the meter thread
+  goes on meanwhile).
+- EXIT_AT=N: rank 1 leaves with os._exit(0) after step N (rank 0 then loses its peer).
 - THREAD_DIES=1: rank 1's meter thread raises at its 4th round; rank 0's meter waits for it.
 - PENDING=1: rank 0 posts an irecv from rank 1 before the loop and waits for it after; rank 1
   sends at the end (an early-stop flag left pending on purpose).
@@ -51,8 +53,11 @@ class Meter(threading.Thread):
             time.sleep(0.2)
 
 
+STALL_STEPS = [int(n) for n in os.environ.get("STALL_STEPS", str(AT)).split(",")]
+
+
 def read_batch(rank, step):
-    if step == AT and rank == int(os.environ.get("STALL_RANK", "1")):
+    if step in STALL_STEPS and rank == int(os.environ.get("STALL_RANK", "1")):
         time.sleep(float(os.environ.get("STALL", "0")))  # marker: stuck read
     return torch.full((4,), float(rank + step))
 
@@ -88,6 +93,8 @@ def main():
         x = read_batch(rank, step)
         dist.all_reduce(x)  # marker: step all_reduce
         total += int(x.sum())
+        if rank == 1 and step == int(os.environ.get("EXIT_AT", "0")):
+            os._exit(0)  # marker: os exit
         time.sleep(0.1)
     if os.environ.get("PENDING") == "1":
         if rank == 1:
