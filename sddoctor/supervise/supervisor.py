@@ -26,7 +26,7 @@ from sddoctor.supervise.metrics import RunMetrics
 from sddoctor.supervise.payloads import attach_mismatches
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
-from sddoctor.supervise.state import RunState, Verdict
+from sddoctor.supervise.state import RankState, RunState, Verdict
 from sddoctor.supervise.straggler import Episode, StragglerTracker
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
 from sddoctor.telemetry import RunDir, registry
@@ -145,15 +145,20 @@ class Supervisor:
         """One line per rank after sddoctor stopped the job (the launcher's own lines are in stderr.log)."""
         for rank_id in sorted(self.state.ranks):
             rank = self.state.ranks[rank_id]
-            how = describe_exit(rank.exit) if rank.exit else ("still running" if rank.alive else "ended")
-            known = (rank.exit or {}).get("signal") or (rank.exit or {}).get("code") is not None
-            if rank.pid in self.job.killed_hard and not known:
-                how = "killed by sddoctor with SIGKILL as it stopped the job (no exit record)"
-            elif (
-                rank.exit and not known
-            ):  # sddoctor stopped the job: the launcher's SIGKILL, not the OOM killer
-                how = "ended without an exit record as the job was stopped (killed hard by the launcher)"
-            self.say(f"rank {rank_id}" + (f" (pid {rank.pid})" if rank.pid else "") + f": {how}")
+            self.say(
+                f"rank {rank_id}" + (f" (pid {rank.pid})" if rank.pid else "") + f": {self._how_ended(rank)}"
+            )
+
+    def _how_ended(self, rank: RankState) -> str:
+        """How a rank ended once sddoctor stopped the job. One gone without an exit record was
+        killed hard by this stop (sddoctor's SIGKILL after its grace, or the launcher's), not by
+        the OOM killer, as such an end would mean otherwise."""
+        exit_info = rank.exit or {}
+        if exit_info.get("signal") or exit_info.get("code") is not None or not rank.exit:
+            return describe_exit(rank.exit) if rank.exit else ("still running" if rank.alive else "ended")
+        if rank.pid in self.job.killed_hard:
+            return "killed by sddoctor with SIGKILL as it stopped the job (no exit record)"
+        return "ended without an exit record as the job was stopped (killed hard by the launcher)"
 
     def _loop(self) -> None:
         next_poll = 0.0
