@@ -227,6 +227,25 @@ def test_a_work_the_program_left_pending_is_not_a_stall() -> None:
     assert state.stalled_for == 10.0
 
 
+def test_a_helper_threads_long_wait_is_not_a_stall_of_the_rank() -> None:
+    """A listener thread blocked in recv, or a metrics thread waiting for a peer's thread that
+    starts later, while the main loop trains on: the rank is not held."""
+    listener = {**call(7), "off_main": True}
+    state = hung(rank(0, inflight=[listener]), rank(1, issued=6))
+    state.last_progress = NOW - 1.0
+    assert state.blocked_call is None and not state.hung
+
+
+def test_a_call_a_peer_has_passed_is_over_though_the_snapshot_still_shows_it() -> None:
+    """Rank 0 has issued #8 on the group, so #7 completed; rank 1's snapshot (written once a
+    second) still shows it in flight since long ago. That is no stall, and no diagnosis runs on
+    such a half-updated state."""
+    state = hung(rank(0, issued=8, inflight=[call(8, since=NOW - 0.5)]), rank(1, inflight=[call(7)]))
+    state.last_progress = NOW - 0.5
+    assert state.blocked_call == (0, state.ranks[0].snapshot.inflight[0])
+    assert not state.hung and diagnose(state) == []
+
+
 def test_no_hang_while_every_rank_is_still_setting_up() -> None:
     state = hung(rank(0), rank(1))  # snapshots, but no collective issued and no step yet
     assert diagnose(state) == []

@@ -147,6 +147,7 @@ class _Rec:
         "ddp",
         "reduce",
         "user_async",
+        "off_main",
     )
     op: str
     key: str
@@ -169,12 +170,14 @@ class _Rec:
     #: the program asked for a Work back (async_op=True, isend/irecv) and waits for it when it
     #: chooses: such a call may stay pending while the program goes on
     user_async: bool
+    #: issued from a thread other than the main one (a metrics or listener thread, or autograd's)
+    off_main: bool
 
     def __init__(self) -> None:
         # optional fields default here so every construction site (and a hand-built record)
         # yields a complete record; the call sites fill in the rest
         self.handle, self.t1, self.peer, self.ddp, self.reduce = None, None, None, None, None
-        self.deferred, self.exact_end, self.user_async = False, False, False
+        self.deferred, self.exact_end, self.user_async, self.off_main = False, False, False, False
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -189,6 +192,8 @@ class _Rec:
         }
         if self.user_async:
             d["user_async"] = True
+        if self.off_main:
+            d["off_main"] = True
         if self.peer is not None:
             d["peer"] = self.peer
         if self.ddp is not None:
@@ -382,6 +387,7 @@ class Tracer:
         rec.deferred = False
         rec.exact_end = False
         rec.user_async = False
+        rec.off_main = threading.get_ident() != threading.main_thread().ident
         rec.ddp = (
             "bucket"
             if getattr(_tls, "gradient_bucket", False)

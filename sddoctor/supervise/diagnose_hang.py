@@ -712,7 +712,7 @@ def _mismatch_verdict(
     """Ranks disagree on a collective: the minority, else the rank(s) that called a site the others
     never call where their calls parted, else the rank whose shapes changed at a call site, else
     the one rank whose call broke its own routine (it skipped a call the others made)."""
-    involved = sorted(set(waiters) | set(out_of_step))
+    involved = sorted(r for r in set(waiters) | set(out_of_step) if r in calls)
     groups: dict[str, list[int]] = {}
     for r in involved:
         c = calls[r]

@@ -236,11 +236,22 @@ class RunState:
             if r.exited:
                 continue
             for c in r.snapshot.inflight:
-                if c.since is None or not c.holds_the_rank:
+                if c.since is None or not c.holds_the_rank or self._passed_by_a_peer(r.rank, c):
                     continue
                 if oldest is None or c.since < (oldest[1].since or c.since):
                     oldest = (r.rank, c)
         return oldest
+
+    def _passed_by_a_peer(self, rank: int, call: Collective) -> bool:
+        """Whether another rank has issued a later call on the call's group: then this call has
+        completed, and the rank's snapshot (written about once a second) is behind. Point-to-point
+        calls are numbered per pair, so they are not compared."""
+        if call.seq is None or call.pg.endswith(":p2p"):
+            return False
+        return any(
+            other.rank != rank and (other.snapshot.issued_on(call.pg) or 0) > call.seq
+            for other in self.ranks.values()
+        )
 
     @property
     def stalled_since(self) -> float:

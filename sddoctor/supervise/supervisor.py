@@ -70,6 +70,7 @@ class Supervisor:
         self.state: RunState = self.watcher.state()
         self.verdicts: list[Verdict] = []
         self.hang_verdicts: list[Verdict] = []  # frozen at the hang, survive our own kill
+        self.diagnosis_failed = False  # said once (see _live_diagnosis)
         self.hang_handled_at: tuple[float | None] | None = None  # (stalled_since,) of the hang acted on
         self.stacks_problem: str | None = None
         self.unjoined: list[dict[str, Any]] = []
@@ -211,7 +212,7 @@ class Supervisor:
         if state.hung and (self.hang_handled_at is None or self.hang_handled_at[0] != stalled_since):
             self.hang_handled_at = (stalled_since,)
             self.on_hang(state)
-        verdicts = diagnose(state)
+        verdicts = self._live_diagnosis(state)
         resumed = self.hang_handled_at is not None and stalled_since != self.hang_handled_at[0]
         if resumed:
             self.handling_hang = False
@@ -231,6 +232,21 @@ class Supervisor:
                 self.printed.add(key)
                 self.say(f"{v.severity}: {v.summary}" + (f" [{v.location}]" if v.location else ""))
         self._publish()
+
+    def _live_diagnosis(self, state: RunState) -> list[Verdict]:
+        """`diagnose(state)` once a second while the job runs. A state caught between two ranks'
+        snapshots can be one no rule foresaw: an error of the diagnosis is said once and that
+        second's verdicts skipped (the final diagnosis runs again on settled files), rather than
+        ending the supervisor of a job that runs on."""
+        try:
+            return diagnose(state)
+        except Exception as exc:  # noqa: BLE001
+            if not self.diagnosis_failed:
+                self.diagnosis_failed = True
+                self.say(
+                    f"internal error in the live diagnosis ({type(exc).__name__}: {exc}); the job goes on"
+                )
+            return []
 
     def _merge_processes(self) -> None:
         """What the process watch knows of each rank (its pid, whether it lives, how it ended) into
@@ -263,7 +279,9 @@ class Supervisor:
     def on_hang(self, state: RunState) -> None:
         blocked = state.blocked_call
         progress = state.last_progress if state.last_progress is not None else state.started
-        if blocked is not None and blocked[1].since is not None and blocked[1].since < progress - 1.0:
+        # the supervisor sees a call up to ~2 s after it began (snapshot, then poll): later
+        # progress than that is other work
+        if blocked is not None and blocked[1].since is not None and blocked[1].since < progress - 2.5:
             rank, call = blocked
             self.say(
                 f"rank {rank} has waited {state.now - blocked[1].since:.0f} s in {call.op or 'a collective'} "

@@ -63,6 +63,8 @@ class Collective:
     ddp: str | None = None
     #: the program asked for a Work back (async_op=True, isend/irecv): it may wait for it later
     user_async: bool = False
+    #: issued from a thread other than the rank's main thread
+    off_main: bool = False
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -81,6 +83,7 @@ class Collective:
             peer=_int(record.get("peer")),
             ddp=_str(record.get("ddp")),
             user_async=record.get("user_async") is True,
+            off_main=record.get("off_main") is True,
             record=record,
         )
 
@@ -95,10 +98,12 @@ class Collective:
 
     @property
     def holds_the_rank(self) -> bool:
-        """Whether the rank cannot go on until this call completes: a blocking call, or one DDP
-        waits for within its step. A Work the program asked for (async_op=True, isend/irecv) may
-        be left pending on purpose (an early-stop flag polled with is_completed())."""
-        return not self.user_async or self.ddp is not None
+        """Whether the rank's own work cannot go on until this call completes: a blocking call of
+        its main thread, or one DDP waits for within its step. A Work the program asked for
+        (async_op=True, isend/irecv) may be left pending on purpose (an early-stop flag polled with
+        is_completed()), and a helper thread may wait long on purpose (a listener in recv, a
+        metrics thread whose peer starts later) while the rank trains on."""
+        return self.ddp is not None or not (self.user_async or self.off_main)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as it was written (report.json's details)."""
