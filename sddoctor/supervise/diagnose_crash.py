@@ -124,9 +124,7 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
         if gave_up is not None:
             return [gave_up]
     others = sorted(r.rank for r, _ in candidates if r.rank != primary.rank)
-    verdict = _crash_verdict(state, primary, exit_info, others)
-    _note_same_error(state, verdict, primary, others)
-    return [verdict]
+    return [_crash_verdict(state, primary, exit_info, others, _same_error(state, primary, others))]
 
 
 def _unjoined_worker_crash(state: RunState) -> Verdict | None:
@@ -138,12 +136,9 @@ def _unjoined_worker_crash(state: RunState) -> Verdict | None:
         return None
     index, pid, code = first.get("spawn_index"), first.get("pid"), first.get("exitcode")
     exc = first.get("exception") or {}
-    if exc:
-        how = raised_text(exc)
-    elif isinstance(code, int) and code < 0:
-        how = f"was killed by signal {-code} ({signal_name(-code)})"
-    else:
-        how = f"exited with code {code}"
+    # the exit status as mp.spawn reports it: a negative code is the signal that killed the worker
+    exit_info = {"signal": -code} if isinstance(code, int) and code < 0 else {"code": code}
+    how = raised_text(exc) if exc else describe_exit(exit_info)
     location = exception_location(exc) if exc else None
     died = [
         r.rank for r in state.ranks.values() if r.exception is not None or abnormal_exit(rank_exit(r, state))
@@ -161,7 +156,7 @@ def _unjoined_worker_crash(state: RunState) -> Verdict | None:
         "spawn_index": index,
         "pid": pid,
         "joined": False,
-        "exit": {"code": code} if not isinstance(code, int) or code >= 0 else {"signal": -code},
+        "exit": exit_info,
         "consequences": sorted(died),
         "traceback": exc.get("traceback") or last_traceback(state.stderr_tail),
     }
@@ -180,25 +175,14 @@ def _own_error(rank: RankState) -> str | None:
     return str(exc.get("type") or "Exception")
 
 
-def _note_same_error(state: RunState, verdict: Verdict, primary: RankState, others: list[int]) -> None:
-    """Ranks that raised the same error themselves are not consequences of the first: every rank
-    ran into it (a bug in code all ranks run, such as DDP's unused-parameter error)."""
+def _same_error(state: RunState, primary: RankState, others: list[int]) -> list[int]:
+    """The ranks of `others` that raised the primary's error type themselves: not consequences of
+    it, since every rank ran into it (a bug in code all ranks run, such as DDP's unused-parameter
+    error)."""
     error = _own_error(primary)
-    same = [
-        r for r in others if r in state.ranks and error is not None and _own_error(state.ranks[r]) == error
-    ]
-    if not same:
-        return
-    rest = [r for r in others if r not in same]
-    verdict.details["same_error"] = same
-    verdict.details["consequences"] = rest
-    cut = verdict.summary.rfind("; rank")
-    summary = verdict.summary[:cut] if cut >= 0 else verdict.summary
-    who = f"rank{'s' if len(same) > 1 else ''} {join_ranks(same)}"
-    summary += f"; {who} raised the same {error} {'themselves' if len(same) > 1 else 'itself'}"
-    if rest:
-        summary += f"; rank{'s' if len(rest) > 1 else ''} {join_ranks(rest)} stopped as a consequence"
-    verdict.summary = summary
+    if error is None:
+        return []
+    return [r for r in others if r in state.ranks and _own_error(state.ranks[r]) == error]
 
 
 #: How long after the peer that lost it a rank's own exit record may come (it closes its connections
@@ -381,8 +365,16 @@ def _after_dump(state: RunState, rank: RankState, exit_info: dict[str, Any] | No
 
 
 def _crash_verdict(
-    state: RunState, rank: RankState, exit_info: dict[str, Any] | None, others: list[int]
+    state: RunState,
+    rank: RankState,
+    exit_info: dict[str, Any] | None,
+    others: list[int],
+    same_error: list[int] | None = None,
 ) -> Verdict:
+    """The crash of `rank`; of `others`, those in `same_error` raised its error themselves, the
+    rest stopped as a consequence."""
+    same_error = same_error or []
+    consequences = [r for r in others if r not in same_error]
     exc = rank.exception
     fault = fault_of(rank, ("kill", "raise"))
     exit_call = (exit_info or {}).get("caller") if not exc else None  # sys.exit(failure) in user code
@@ -406,8 +398,12 @@ def _crash_verdict(
     summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
     if location:
         summary += f" at {location}"
-    if others:
-        summary += f"; rank{'s' if len(others) > 1 else ''} {join_ranks(others)} stopped as a consequence"
+    if same_error:
+        themselves = "themselves" if len(same_error) > 1 else "itself"
+        summary += f"; rank{'s' if len(same_error) > 1 else ''} {join_ranks(same_error)} raised the same "
+        summary += f"{_own_error(rank)} {themselves}"
+    if consequences:
+        summary += f"; rank{'s' if len(consequences) > 1 else ''} {join_ranks(consequences)} stopped as a consequence"
     evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
     traceback = exc.get("traceback") if exc else None
     if not traceback and len(state.ranks) <= 1:
@@ -417,9 +413,11 @@ def _crash_verdict(
         "exit": exit_info,
         "step": step,
         "traceback": traceback,
-        "consequences": others,
+        "consequences": consequences,
         "died_at": death_time(rank) if death_time(rank) != float("inf") else None,
     }
+    if same_error:
+        details["same_error"] = same_error
     if exc:
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
     if rank.fatal:

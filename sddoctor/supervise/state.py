@@ -230,28 +230,35 @@ class RunState:
     @property
     def blocked_call(self) -> tuple[int, Collective] | None:
         """(rank, call) of the call that has held a live rank longest: a blocking collective, or
-        one DDP waits for, not a Work the program may leave pending (`Collective.holds_the_rank`)."""
+        one DDP waits for, not a Work the program may leave pending (`Collective.holds_the_rank`),
+        nor one another rank of its group has passed (`_latest_issued`)."""
+        latest = self._latest_issued()
         oldest: tuple[int, Collective] | None = None
         for r in self.ranks.values():
             if r.exited:
                 continue
             for c in r.snapshot.inflight:
-                if c.since is None or not c.holds_the_rank or self._passed_by_a_peer(r.rank, c):
+                if c.since is None or not c.holds_the_rank or _passed(latest, r.rank, c):
                     continue
                 if oldest is None or c.since < (oldest[1].since or c.since):
                     oldest = (r.rank, c)
         return oldest
 
-    def _passed_by_a_peer(self, rank: int, call: Collective) -> bool:
-        """Whether another rank has issued a later call on the call's group: then this call has
-        completed, and the rank's snapshot (written about once a second) is behind. Point-to-point
-        calls are numbered per pair, so they are not compared."""
-        if call.seq is None or call.pg.endswith(":p2p"):
-            return False
-        return any(
-            other.rank != rank and (other.snapshot.issued_on(call.pg) or 0) > call.seq
-            for other in self.ranks.values()
-        )
+    def _latest_issued(self) -> dict[str, list[tuple[int, int]]]:
+        """Per process group, the two highest (seq issued, rank): enough to tell, for any rank,
+        the latest call another rank issued there, in one pass over the ranks."""
+        latest: dict[str, list[tuple[int, int]]] = {}
+        for r in self.ranks.values():
+            snap = r.snapshot
+            named = {c.pg for c in (*snap.inflight, snap.last_done) if c is not None}
+            for pg in set(snap.issued) | named:
+                seq = snap.issued_on(pg)
+                if isinstance(seq, int):
+                    top = latest.setdefault(pg, [])
+                    top.append((seq, r.rank))
+                    top.sort(reverse=True)
+                    del top[2:]
+        return latest
 
     @property
     def stalled_since(self) -> float:
@@ -299,3 +306,12 @@ class RunState:
         if not any(r.snapshot.started_work for r in self.ranks.values()):
             return self.now - self.started >= self.startup_timeout  # nobody got past start-up
         return self.stalled_for >= self.hang_timeout
+
+
+def _passed(latest: dict[str, list[tuple[int, int]]], rank: int, call: Collective) -> bool:
+    """Whether a rank other than `rank` has issued a later call on `call`'s group: then the call
+    has completed, and the rank's snapshot (written about once a second) is behind. Point-to-point
+    calls are numbered per pair, so they are not compared."""
+    if call.seq is None or call.pg.endswith(":p2p"):
+        return False
+    return any(other != rank and seq > call.seq for seq, other in latest.get(call.pg, []))

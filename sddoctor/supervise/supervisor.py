@@ -154,9 +154,10 @@ class Supervisor:
         """How a rank ended once sddoctor stopped the job. One gone without an exit record was
         killed hard by this stop (sddoctor's SIGKILL after its grace, or the launcher's), not by
         the OOM killer, as such an end would mean otherwise."""
-        exit_info = rank.exit or {}
-        if exit_info.get("signal") or exit_info.get("code") is not None or not rank.exit:
-            return describe_exit(rank.exit) if rank.exit else ("still running" if rank.alive else "ended")
+        if not rank.exit:
+            return "still running" if rank.alive else "ended"
+        if rank.exit.get("signal") or rank.exit.get("code") is not None:
+            return describe_exit(rank.exit)
         if rank.pid in self.job.killed_hard:
             return "killed by sddoctor with SIGKILL as it stopped the job (no exit record)"
         return "ended without an exit record as the job was stopped (killed hard by the launcher)"
