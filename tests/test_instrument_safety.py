@@ -35,3 +35,40 @@ def test_an_error_a_signal_handler_raised_inside_sddoctor_is_not_sddoctors(handl
     except ValueError as exc:
         safety.internal_error("test: its own", exc)
     assert [f["where"] for f in recorded] == ["test: its own"]
+
+
+FORK_SCRIPT = """
+import os, signal, sys, time
+# runs in the child before sddoctor's at-fork handlers (registered later): a SIGTERM that reaches
+# a forked worker in that window, as Pool.terminate() can send to a worker it has just started
+os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+from sddoctor.instrument import api
+api.enable(sys.argv[1], rank=0, world_size=1)
+pid = os.fork()
+if pid == 0:
+    time.sleep(5)
+    os._exit(0)  # not reached: the pending SIGTERM ends the child once it is unblocked
+_, status = os.waitpid(pid, 0)
+blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+time.sleep(2.5)  # longer than the watcher's grace: a byte in the rank's pipe would end it now
+print("child", os.waitstatus_to_exitcode(status), "blocked", blocked, "alive", flush=True)
+"""
+
+
+def test_a_sigterm_that_reaches_a_forked_child_before_it_lets_go_of_the_ranks_pipe_ends_only_the_child(
+    tmp_path,
+) -> None:
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT, str(tmp_path / "run")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["child", "-15", "blocked", "False", "alive"], done.stdout

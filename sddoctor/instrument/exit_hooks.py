@@ -296,7 +296,11 @@ def _install_sigterm(grace: float) -> None:
         return
     _installed["sigterm_pipe"] = (read_fd, write_fd, previous)
     if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_forget_sigterm_in_child)
+        os.register_at_fork(
+            before=_block_sigterm_for_fork,
+            after_in_parent=_unblock_sigterm_after_fork,
+            after_in_child=_forget_sigterm_in_child,
+        )
     default_action = not callable(previous)
     threading.Thread(
         target=_watch_signals,
@@ -306,6 +310,30 @@ def _install_sigterm(grace: float) -> None:
     ).start()
 
 
+def _block_sigterm_for_fork() -> None:
+    """SIGTERM blocked in the forking thread until the child has let go of the rank's wake-up
+    pipe: a child terminated between its fork and its at-fork handlers (a Pool worker started
+    just as the pool is terminated) would otherwise write the byte into the pipe it shares with
+    the rank, whose watcher would take it for the rank's own. Blocked, the signal waits in the
+    child until its handler is the default again, then ends it as it would without sddoctor."""
+    if "sigterm_pipe" not in _installed:
+        return
+    try:
+        _installed["fork_mask"] = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    except (ValueError, OSError):
+        pass
+
+
+def _unblock_sigterm_after_fork() -> None:
+    """The forking thread's signal mask as it was before the fork (parent and child)."""
+    mask = _installed.pop("fork_mask", None)
+    if mask is not None:
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        except (ValueError, OSError):
+            pass
+
+
 def _forget_sigterm_in_child() -> None:
     """In a process forked from the rank (a `multiprocessing.Pool` or DataLoader worker): SIGTERM
     as it was before sddoctor, and no wakeup pipe. The watcher thread is not in the child, but the
@@ -313,6 +341,7 @@ def _forget_sigterm_in_child() -> None:
     read by the rank's watcher as the rank's own and end the healthy rank."""
     pipe = _installed.pop("sigterm_pipe", None)
     if pipe is None:
+        _unblock_sigterm_after_fork()
         return
     read_fd, write_fd, previous = pipe
     try:
@@ -329,6 +358,7 @@ def _forget_sigterm_in_child() -> None:
         except OSError:
             pass
     _installed.pop("sigterm", None)  # the child may install its own if it becomes a rank
+    _unblock_sigterm_after_fork()  # a SIGTERM that came meanwhile is delivered now, to the child
 
 
 def _watch_signals(
