@@ -72,3 +72,42 @@ def test_a_sigterm_that_reaches_a_forked_child_before_it_lets_go_of_the_ranks_pi
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["child", "-15", "blocked", "False", "alive"], done.stdout
+
+
+SIGTERM_IN_FLUSH_SCRIPT = """
+import os, signal, sys, time
+from sddoctor.instrument import api
+session = api.enable(sys.argv[1], rank=0, world_size=1)
+session.writer.emit("warning", code="before", message="queued before the signal")
+# torch's start_processes SIGTERMs the surviving ranks while one may be writing its own exception
+# (the flush holds the writer's lock): the handler runs inside that flush, on the same thread
+session.writer.add_state_provider(lambda: os.kill(os.getpid(), signal.SIGTERM) or {})
+session.writer.flush()
+time.sleep(10)
+print("survived", flush=True)
+"""
+
+
+def test_a_sigterm_that_comes_while_the_rank_flushes_its_telemetry_ends_it_with_its_exit_recorded(
+    tmp_path,
+) -> None:
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from conftest import subprocess_env
+
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_IN_FLUSH_SCRIPT, str(tmp_path / "run")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+    assert time.monotonic() - started < 8, "the signal waited for the flush it interrupted"
+    events = [json.loads(line) for line in (tmp_path / "run" / "ranks" / "rank-00000.jsonl").open()]
+    assert [e.get("code") for e in events if e["kind"] == "warning"] == ["before"], events
+    assert [(e["status"], e["code"]) for e in events if e["kind"] == "exit"] == [("signal", 143)], events

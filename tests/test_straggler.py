@@ -181,3 +181,30 @@ def test_straggler_location_is_where_the_others_wait_not_the_busiest_call_site()
     state = RunState(now=NOW, started=0.0, ranks={0: fast, 1: slow}, last_progress=NOW, straggler_ratio=2.0)
     (v,) = [v for v in diagnose(state) if v.kind == "straggler"]
     assert (v.culprit_rank, v.location) == (1, "a.py:1")
+
+
+def test_the_hot_line_of_an_elastic_worker_is_its_own_code_under_torchs_record_wrapper() -> None:
+    """py-spy's folded samples of a worker that torch's elastic agent started: its `@record` wrapper
+    lives in torch/distributed, outside the user's frames; only a torch.distributed frame inside the
+    user's line is a wait in a collective."""
+    from sddoctor.codepaths import CodeRoots
+    from sddoctor.supervise.stacks import hot_frame
+
+    torch_dir = "/env/site-packages/torch"
+    roots = CodeRoots(library=("/env/site-packages", "/usr/lib/python3.11", torch_dir), internal=(torch_dir,))
+    outer = (
+        f"_wrap ({torch_dir}/distributed/elastic/multiprocessing/api.py:706);"
+        f"record.<locals>.wrap.<locals>.wrapper ({torch_dir}/distributed/elastic/multiprocessing/errors/__init__.py:367)"
+    )
+    raw = "\n".join(
+        [
+            f"thread (42): MainThread;{outer};train (/job/train.py:25);sleep ({torch_dir}/nn/modules/module.py:1778) 7",
+            f"thread (42): MainThread;{outer};train (/job/train.py:26);"
+            f"all_reduce ({torch_dir}/distributed/distributed_c10d.py:2800) 5",
+            f"thread (42): MainThread;{outer};train (/job/train.py:27) 1",
+            "thread (42): MainThread;_shutdown (/usr/lib/python3.11/threading.py:1590) 2",
+            "thread (43): other;run (/job/train.py:90) 50",
+        ]
+    )
+    hot = hot_frame(raw, 42, roots)
+    assert hot == {"location": "/job/train.py:25", "function": "train", "share": 0.7, "samples": 10}, hot

@@ -35,7 +35,7 @@ from sddoctor.telemetry.environment import comm_env
 from sddoctor.telemetry.layout import RUN_DIR_ENV, RunDir
 from sddoctor.telemetry.redact import redact_argv
 from sddoctor.telemetry.schema import EventKind
-from sddoctor.telemetry.writer import TelemetryWriter
+from sddoctor.telemetry.writer import EXIT_FLUSH_TIMEOUT, TelemetryWriter
 
 
 class InjectedFault(RuntimeError):
@@ -250,7 +250,7 @@ class RankSession:
             EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields()
         )
         self.writer.update_state(status="exited")
-        self.writer.flush()
+        self.writer.flush(timeout=EXIT_FLUSH_TIMEOUT)
 
     def set_rank(self, rank: int, world_size: int | None = None) -> None:
         """Learn the global rank once the process group knows it (events move to the right file)."""

@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Any
 
 from sddoctor.codepaths import current_roots
+from sddoctor.telemetry.writer import EXIT_FLUSH_TIMEOUT
 
 _installed: dict[str, Any] = {}
 
@@ -375,8 +376,8 @@ def _watch_signals(
         if not default_action or signal.getsignal(signal.SIGTERM) is not ours:
             _flush(None, 0)  # someone else's handler runs in the main thread and decides
             continue
+        deadline = time.monotonic() + grace  # counted from the signal: the flush is bounded but may wait
         _flush("signal", 128 + signal.SIGTERM)
-        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and not handled.is_set():
             time.sleep(0.05)
         if not handled.is_set():  # the main thread is stuck in native code
@@ -417,7 +418,7 @@ def _flush(status: str | None, code: int) -> None:
         return
     try:
         if status is None:
-            session.writer.flush()
+            session.writer.flush(timeout=EXIT_FLUSH_TIMEOUT)
         else:
             session.exit_now(status, code)
     except Exception:  # noqa: BLE001

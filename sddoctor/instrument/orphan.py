@@ -114,12 +114,14 @@ def _note_in_telemetry() -> None:
     session = api.active() if api is not None else None
     if session is None:
         return
+    from sddoctor.telemetry.writer import EXIT_FLUSH_TIMEOUT  # loaded with the session
+
     session.writer.emit(
         "warning",
         code="supervisor_gone",
         message="the sddoctor run supervisor is gone; this rank stops itself (SIGTERM, then SIGKILL)",
     )
-    session.writer.flush()
+    session.writer.flush(timeout=EXIT_FLUSH_TIMEOUT)
 
 
 def _quiet_dead_pipes() -> None:

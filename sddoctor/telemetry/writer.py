@@ -24,6 +24,9 @@ from sddoctor.telemetry.schema import SCHEMA_VERSION, STATE_SCHEMA, EventKind
 
 StateProvider = Callable[[], dict[str, Any]]
 
+# how long a process on its way out (a signal, os._exit) waits for another thread's flush
+EXIT_FLUSH_TIMEOUT = 2.0
+
 
 class TelemetryWriter:
     """Buffered event log and state snapshot of one rank."""
@@ -52,6 +55,7 @@ class TelemetryWriter:
         }
         self._providers: list[StateProvider] = []
         self._io_lock = threading.Lock()
+        self._io_owner: int | None = None  # the thread inside flush(): see flush()
         self._stop = threading.Event()
         self._last_state_write = 0.0
         self._events_path = self.run_dir.events_file(rank)
@@ -81,12 +85,27 @@ class TelemetryWriter:
 
     # -- I/O ------------------------------------------------------------------------------------
 
-    def flush(self, *, state: bool = True) -> None:
-        """Write queued events and (if `state`) the snapshot now. Safe from any thread."""
-        with self._io_lock:
+    def flush(self, *, state: bool = True, timeout: float = -1) -> bool:
+        """Write queued events now, and the snapshot with `state` or when one is due. Safe from any thread, and from a
+        signal handler: one that interrupted this thread's own flush (SIGTERM while the rank writes
+        its exception) cannot wait for the lock that the interrupted frame holds, so it appends the
+        events on its own and leaves the snapshot to that frame. With a `timeout`, gives up (False)
+        rather than wait longer for another thread's flush; a process on its way out passes one."""
+        me = threading.get_ident()
+        if self._io_owner == me:
             self._flush_events()
-            if state:
+            return True
+        if not self._io_lock.acquire(timeout=timeout):
+            return False
+        self._io_owner = me
+        try:
+            self._flush_events()
+            if state or time.monotonic() - self._last_state_write >= self.state_interval:
                 self._write_state()
+        finally:
+            self._io_owner = None
+            self._io_lock.release()
+        return True
 
     def close(self) -> None:
         if self._closed:
@@ -103,10 +122,7 @@ class TelemetryWriter:
     def _loop(self) -> None:
         while not self._stop.wait(self.flush_interval):
             try:
-                with self._io_lock:
-                    self._flush_events()
-                    if time.monotonic() - self._last_state_write >= self.state_interval:
-                        self._write_state()
+                self.flush(state=False)  # the snapshot at most every state_interval
             except Exception:  # noqa: BLE001 - telemetry must never kill training
                 pass
 
