@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from conftest import subprocess_env
 from sddoctor.instrument import safety
 
 
@@ -58,18 +64,7 @@ print("child", os.waitstatus_to_exitcode(status), "blocked", blocked, "alive", f
 def test_a_sigterm_that_reaches_a_forked_child_before_it_lets_go_of_the_ranks_pipe_ends_only_the_child(
     tmp_path,
 ) -> None:
-    import subprocess
-    import sys
-
-    from conftest import subprocess_env
-
-    done = subprocess.run(
-        [sys.executable, "-c", FORK_SCRIPT, str(tmp_path / "run")],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run_rank_script(FORK_SCRIPT, tmp_path / "run")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["child", "-15", "blocked", "False", "alive"], done.stdout
 
@@ -91,23 +86,21 @@ print("survived", flush=True)
 def test_a_sigterm_that_comes_while_the_rank_flushes_its_telemetry_ends_it_with_its_exit_recorded(
     tmp_path,
 ) -> None:
-    import json
-    import subprocess
-    import sys
-    import time
-
-    from conftest import subprocess_env
-
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", SIGTERM_IN_FLUSH_SCRIPT, str(tmp_path / "run")],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run_rank_script(SIGTERM_IN_FLUSH_SCRIPT, tmp_path / "run")
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
     assert time.monotonic() - started < 8, "the signal waited for the flush it interrupted"
     events = [json.loads(line) for line in (tmp_path / "run" / "ranks" / "rank-00000.jsonl").open()]
     assert [e.get("code") for e in events if e["kind"] == "warning"] == ["before"], events
     assert [(e["status"], e["code"]) for e in events if e["kind"] == "exit"] == [("signal", 143)], events
+
+
+def _run_rank_script(script: str, run_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh interpreter, with the run directory as its first argument."""
+    return subprocess.run(
+        [sys.executable, "-c", script, str(run_dir)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
