@@ -23,8 +23,14 @@ def report(label):
 
     tracer = tracing.active()
     rec = tracer.last_done.as_dict() if tracer and tracer.last_done else None
-    issued = tracer.snapshot()["issued"] if tracer else None
-    print("REC " + json.dumps({"label": label, "rec": rec, "issued": issued}), flush=True)
+    snapshot = tracer.snapshot() if tracer else {}
+    line = {
+        "label": label,
+        "rec": rec,
+        "issued": snapshot.get("issued"),
+        "main": snapshot.get("last_done_main"),
+    }
+    print("REC " + json.dumps(line), flush=True)
 
 
 if mode == "trace":
@@ -58,6 +64,15 @@ if mode == "trace":
     report("subgroup")
     dist.barrier()  # @trace-barrier
     report("barrier")
+    import threading
+
+    def metrics():
+        dist.all_reduce(torch.ones(1), group=sub)  # @trace-thread
+
+    helper = threading.Thread(target=metrics)
+    helper.start()
+    helper.join()
+    report("thread")
     if rank == 1:
         raise ValueError("bad batch on rank 1")  # @crash-raise
 elif mode == "loop":

@@ -58,13 +58,18 @@ def test_trace_records_seq_op_shapes_and_caller(tmp_path: Path) -> None:
         assert sub["pg"] != "0" and sub["seq"] == 1 and sub["caller"] == line_of("trace-subgroup")
         bar = r["barrier"]
         assert (bar["rec"]["op"], bar["rec"]["seq"]) == ("barrier", 5)
+        assert bar["main"] is None  # the main thread's call is the last one: not written twice
+        # a helper thread's call completes last: the main thread's own last call is kept beside it
+        thread = r["thread"]
+        assert (thread["rec"]["caller"], thread["rec"]["off_main"]) == (line_of("trace-thread"), True)
+        assert (thread["main"]["op"], thread["main"]["caller"]) == ("barrier", line_of("trace-barrier"))
         # the state snapshot and the summary event reached the run directory
         snap = state(tmp_path, rank)
         assert snap["status"] == "exited" and snap["backend"] == "gloo"
         assert snap["collectives"]["issued"]["0"] == 5 and snap["collectives"]["inflight"] == []
         assert isinstance(snap["heartbeat"], float)
         summary = events(tmp_path, rank, "collective")[-1]
-        assert summary["ops"]["all_reduce"]["count"] == 3 and summary["count"] == 8
+        assert summary["ops"]["all_reduce"]["count"] == 4 and summary["count"] == 9
         assert [e["kind"] for e in events(tmp_path, rank)][-1] == "exit"
     # rank 1 ends with an uncaught exception: recorded with its caller, flushed before it died
     assert events(tmp_path, 0, "exit")[-1]["status"] == "ok" and not events(tmp_path, 0, "exception")

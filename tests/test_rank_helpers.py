@@ -26,6 +26,7 @@ CASES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "stall-resolved": ({"METER": "1", "STALL": "8", "STALL_STEPS": "5,15"}, ("--hang-timeout", "4")),
     "exit0": ({"EXIT_AT": "5"}, KILL),
     "thread-dies": ({"METER": "1", "THREAD_DIES": "1", "STEPS": "120"}, KILL),
+    "uploader-dies": ({"UPLOADER_DIES": "1"}, KILL),
     # rank 0's irecv stays pending for the whole loop (about 6 s, longer than the hang timeout)
     "pending-irecv": ({"PENDING": "1", "STEPS": "60"}, KILL),
     "unused": ({"UNUSED": "1"}, KILL),
@@ -104,6 +105,19 @@ def test_a_thread_that_died_is_named_as_the_cause_of_its_peers_wait(runs: dict) 
     assert "metrics endpoint unreachable" in v["summary"], v
     (warning,) = [w for w in res.events(1, "warning") if w["code"] == "thread_exception"]
     assert warning["thread"] and warning["caller"] == v["location"], warning
+    assert not res.verdicts("thread."), res.report["verdicts"]  # the hang names it: not said twice
+
+
+def test_a_thread_that_died_while_its_rank_went_on_is_a_warning_of_its_own(runs: dict) -> None:
+    """Rank 1's upload thread raised; nothing waited for it, so the job ends healthy, but what the
+    thread did stopped, and only stderr said so."""
+    res = _run(runs, "uploader-dies", 0)
+    (v,) = res.report["verdicts"]
+    assert (v["kind"], v["severity"], v["culprit_rank"]) == ("thread.died", "warning", 1), v
+    assert v["location"] == script_line("# marker: upload raises", SCRIPT), v
+    assert (v["details"]["thread"], v["details"]["type"]) == ("uploader", "OSError"), v
+    assert "bucket 'runs' not found" in v["summary"], v
+    assert res.report["outcome"] == "ok", res.report["outcome"]
 
 
 def test_a_work_left_pending_on_purpose_is_not_a_hang(runs: dict) -> None:

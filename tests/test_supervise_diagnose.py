@@ -213,6 +213,17 @@ def test_a_rank_held_in_one_call_for_the_timeout_is_a_hang_though_others_progres
     assert (v.kind, v.culprit_rank) == ("hang.missing_rank", 1), v.summary
 
 
+def test_without_a_stack_a_missing_rank_is_where_its_main_thread_last_synced() -> None:
+    """py-spy could not attach: rank 1 is placed by its last completed call, and that is its main
+    thread's, not the metrics thread's all-reduce on its own group that completed after it."""
+    meter = {**call(40, caller="meter.py:9"), "pg": "1", "off_main": True, "t": NOW - 1.0}
+    missing = rank(1, issued=6, done=meter)
+    missing.state["collectives"]["last_done_main"] = {**call(6, caller="train.py:30"), "t": NOW - 9.0}
+    state = hung(rank(0, inflight=[call(7)]), missing)
+    (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.missing_rank", 1, "train.py:30"), v.summary
+
+
 def test_a_work_the_program_left_pending_is_not_a_stall() -> None:
     """An irecv or async_op Work may stay pending on purpose (an early-stop flag polled with
     is_completed()); one DDP issued (a gradient bucket) holds the rank's step, and counts."""
@@ -673,3 +684,33 @@ def test_crash_right_after_the_flight_recorder_dump_is_not_blamed_as_a_cause(
     (v,) = [v for v in diagnose(state) if v.kind == "crash"]
     assert (v.culprit_rank, v.severity) == (1, severity)
     assert ("flight-recorder" in v.summary) == (severity == "warning")
+
+
+def _thread_death(t: float, error: str, caller: str, kind: str = "RuntimeError") -> dict[str, Any]:
+    message = f"thread 'meter' ended with {kind}: {error}"
+    return {"kind": "warning", "code": "thread_exception", "t": t, "message": message, "thread": "meter",
+            "type": kind, "error": error, "caller": caller, "traceback": [f"{caller} in run"]}  # fmt: skip
+
+
+def test_a_thread_that_only_lost_its_peer_in_a_crash_is_no_finding_of_its_own() -> None:
+    """Rank 1 was killed; rank 0's meter thread then died of "Connection closed by peer": that is
+    the crash's consequence. Its upload thread's own error earlier is a finding, said once."""
+    survivor = rank(0, alive=False, exit={"t": 10.4, "signal": 15})
+    survivor.warnings = [
+        _thread_death(5.0, "bucket not found", "/u/train.py:70", "OSError"),
+        _thread_death(6.0, "bucket not found", "/u/train.py:70", "OSError"),
+        _thread_death(10.2, "Connection closed by peer [127.0.0.1]:5000", "/u/train.py:50"),
+    ]
+    state = RunState(
+        now=20.0,
+        started=0.0,
+        ranks={0: survivor, 1: rank(1, alive=False, exit={"t": 10.0, "signal": 9})},
+        world_size=2,
+        last_progress=9.0,
+        job_exit={"code": 1, "t": 11.0},
+    )
+    verdicts = diagnose(state)
+    assert [v.kind for v in verdicts] == ["crash", "thread.died"], verdicts
+    died = verdicts[1]
+    assert (died.severity, died.culprit_rank, died.location) == ("warning", 0, "/u/train.py:70"), died
+    assert "rank 0's thread 'meter' died of OSError: bucket not found" in died.summary, died.summary

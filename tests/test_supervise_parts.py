@@ -74,6 +74,37 @@ def test_py_spy_dump_finds_the_user_frame(tmp_path):
     assert (tmp_path / "stacks" / "rank-00003.json").exists()
 
 
+def test_a_dump_that_caught_the_process_mid_change_is_read_again(tmp_path):
+    """py-spy's "Failed to get stack traces" (its read caught a thread starting or ending) is
+    transient: the dump is taken again rather than leave the hang's culprit without a stack.
+    The first call of this py-spy fails so; the next ones are the real py-spy."""
+    real = stacks.py_spy_path()
+    if real is None or stacks.ptrace_problem():
+        pytest.skip(f"py-spy cannot attach here: {stacks.ptrace_problem()}")
+    flaky = tmp_path / "py-spy"
+    flaky.write_text(
+        "#!/bin/sh\n"
+        f'if [ ! -e "{tmp_path}/failed-once" ]; then touch "{tmp_path}/failed-once"; '
+        'echo "Error: Failed to get stack traces" >&2; exit 1; fi\n'
+        f'exec "{real}" "$@"\n'
+    )
+    flaky.chmod(0o755)
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\n\ndef wait():\n    time.sleep(60)\n\nwait()\n")
+    (tmp_path / "stacks").mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)])
+    try:
+        time.sleep(1.0)
+        result = stacks._dump_one(
+            str(flaky), 3, proc.pid, tmp_path / "stacks", 20.0, False, stacks.current_roots()
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (tmp_path / "failed-once").exists()
+    assert result["ok"] and result["top_user_frame"] == f"{script}:4", result
+
+
 def test_py_spy_failure_is_explained_and_the_target_resumed(tmp_path):
     text = stacks.explain_failure("Error: Permission denied (os error 13)")
     assert "ptrace not permitted" in text and "SYS_PTRACE" in text and "ptrace_scope" in text

@@ -268,6 +268,7 @@ class Tracer:
         self.session = session  # api.RankSession: fires kill/raise faults, owns the writer
         self._groups: dict[Any, _Group] = {}
         self.last_done: _Rec | None = None
+        self.last_done_main: _Rec | None = None  # the main thread's: where the rank itself last synced
         self.last_failed: _Rec | None = None  # the traced call that raised last
         self.op_stats: dict[str, list[float]] = {}  # op -> [count, seconds of completed calls]
         #: wall time inside completed calls, overlapping calls counted once (DDP's buckets overlap)
@@ -526,6 +527,9 @@ class Tracer:
         last = self.last_done
         if last is None or rec.t0 >= last.t0:
             self.last_done = rec
+        main = self.last_done_main
+        if not rec.off_main and (main is None or rec.t0 >= main.t0):
+            self.last_done_main = rec
         stats = self.op_stats.get(rec.op)
         if stats is None:
             stats = self.op_stats[rec.op] = [0, 0.0]
@@ -747,6 +751,9 @@ class Tracer:
         last = self.last_done
         if last is not None:
             out["last_done"] = last.as_dict()
+        main = self.last_done_main
+        if main is not None and main is not last:  # a helper thread's call completed last
+            out["last_done_main"] = main.as_dict()
         failed = self.last_failed
         if failed is not None:
             out["failed"] = failed.as_dict()

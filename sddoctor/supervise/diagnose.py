@@ -7,8 +7,8 @@ No I/O here. Each kind of trouble has its module:
 - `diagnose_oom`: out-of-memory events, and whether the trainer's fallback absorbed them.
 - `diagnose_hang`: no progress for `hang_timeout`; classified by where each rank is.
 - `straggler`: the rank that the others keep waiting for.
-- here: replicas that diverged, torchrun restarts, sddoctor's own errors inside a rank, and a run
-  with nothing to check.
+- here: replicas that diverged, torchrun restarts, threads of a rank that died while it went on,
+  sddoctor's own errors inside a rank, and a run with nothing to check.
 
 `diagnose_base` holds what they all read off a rank (how it ended, where). `diagnose` runs them
 all and orders the verdicts most severe first.
@@ -73,10 +73,12 @@ def diagnose(state: RunState) -> list[Verdict]:
     if not any(v.kind.startswith("hang.") or v.kind in _MISALIGNING for v in verdicts):
         verdicts += diagnose_payload_mismatch(state)
     verdicts += diagnose_straggler(state)
+    verdicts += diagnose_thread_deaths(state)
     verdicts += diagnose_internal_errors(state)
     verdicts += diagnose_restarts(state)
     if not verdicts:
         verdicts += diagnose_no_collectives(state)
+    verdicts = without_explained_thread_deaths(verdicts)
     locate_spawned_culprits(verdicts, state)
     order = {kind: i for i, kind in enumerate(VERDICT_KINDS)}
     severity = {"error": 0, "warning": 1, "info": 2}
@@ -85,11 +87,17 @@ def diagnose(state: RunState) -> list[Verdict]:
 
 
 def merge_verdicts(first: list[Verdict], rest: list[Verdict]) -> list[Verdict]:
-    """Frozen hang verdicts first; a live verdict of the same kind and rank does not repeat them."""
+    """Frozen hang verdicts first; a live verdict of the same kind and rank does not repeat them,
+    nor does a thread's death they name."""
     seen = {(v.kind, v.culprit_rank) for v in first}
-    return list(first) + [
-        v for v in rest if (v.kind, v.culprit_rank) not in seen and not (first and v.kind.startswith("hang."))
-    ]
+    return without_explained_thread_deaths(
+        list(first)
+        + [
+            v
+            for v in rest
+            if (v.kind, v.culprit_rank) not in seen and not (first and v.kind.startswith("hang."))
+        ]
+    )
 
 
 def diagnose_replicas(state: RunState) -> list[Verdict]:
@@ -200,6 +208,52 @@ def _injected_kill(attempt: dict[str, Any]) -> dict[str, Any] | None:
     no_record = exit_info.get("code") is None and not exit_info.get("signal")
     fired: dict[str, Any] = kills[-1]
     return fired if killed_by_fault(fired, exit_info) or no_record else None
+
+
+def diagnose_thread_deaths(state: RunState) -> list[Verdict]:
+    """A thread of a rank that died of an uncaught exception while the rank went on (a metrics,
+    prefetch or upload thread): Python prints its traceback among the job's output, the rank's
+    exit code says nothing, and whatever the thread did silently stopped. One warning per thread
+    and error; `without_explained_thread_deaths` then drops those other verdicts already tell."""
+    verdicts = []
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        seen = set()
+        for w in rank.warnings:
+            key = (w.get("thread"), w.get("type"), w.get("caller"))
+            if w.get("code") != "thread_exception" or key in seen:
+                continue
+            seen.add(key)
+            caller = w.get("caller") if isinstance(w.get("caller"), str) else None
+            error = str(w.get("error") or "")
+            summary = (
+                f"rank {rank.rank}'s thread {w.get('thread')!r} died of {w.get('type')}: {error[:200]}"
+                + (f" at {caller}" if caller else "")
+                + "; the rank went on without it, and whatever that thread did stopped"
+            )
+            details = {k: w.get(k) for k in ("thread", "type", "error", "caller", "traceback", "step", "t")}
+            evidence = [f"rank {rank.rank}: {w.get('message')}"]  # the report shows details.traceback
+            verdicts.append(Verdict("thread.died", "warning", summary, rank.rank, caller, details, evidence))
+    return verdicts
+
+
+def without_explained_thread_deaths(verdicts: list[Verdict]) -> list[Verdict]:
+    """`thread.died` verdicts less those another verdict tells: a death a hang verdict names as its
+    cause (`details.thread_exception`), and a thread that only lost its peer ("connection closed by
+    peer") once an error verdict explains why."""
+    named = {
+        (v.culprit_rank, v.details["thread_exception"].get("t"))
+        for v in verdicts
+        if isinstance(v.details.get("thread_exception"), dict)
+    }
+    explained = any(v.severity == "error" for v in verdicts)
+
+    def told(v: Verdict) -> bool:
+        if v.kind != "thread.died":
+            return False
+        peer_lost = explained and PEER_FAILURE.search(str(v.details.get("error") or ""))
+        return (v.culprit_rank, v.details.get("t")) in named or bool(peer_lost)
+
+    return [v for v in verdicts if not told(v)]
 
 
 def diagnose_internal_errors(state: RunState) -> list[Verdict]:

@@ -181,7 +181,8 @@ def where_is(rank: RankState) -> tuple[str | None, str]:
         func = rank.stack.get("top_user_function")
         return frame, f"its stack is at {frame}" + (f" in {func}()" if func else "")
     phase = rank.snapshot.phase
-    done = rank.snapshot.last_done
+    # the rank's own last sync, not a helper thread's (a metrics thread all-reducing on its own group)
+    done = rank.snapshot.last_done_main or rank.snapshot.last_done
     if done is not None and done.caller:
         text = f"its last completed collective was {done.op} #{done.seq} at {done.caller}"
         if phase:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,11 @@ def dump_workers(
     return [res for res in results.values() if res.get("ok")]
 
 
+#: py-spy's words for a read that caught the process mid-change; worth reading again
+TRANSIENT_FAILURE = "Failed to get stack traces"
+DUMP_ATTEMPTS = 3
+
+
 def _dump_one(
     exe: str, key: Any, pid: int, out_dir: Path, timeout: float, native: bool, roots: CodeRoots
 ) -> dict[str, Any]:
@@ -139,13 +145,26 @@ def _dump_one(
             "pid": pid,
             "error": "the process is stopped (SIGSTOP or a debugger); not touched",
         }
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + timeout
+    for attempt in range(DUMP_ATTEMPTS):
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic())
+            )
+        except subprocess.TimeoutExpired:
+            _resume(pid)
+            return {"ok": False, "pid": pid, "error": f"py-spy timed out after {timeout:.0f} s"}
+        except OSError as exc:
+            return {"ok": False, "pid": pid, "error": f"cannot run py-spy: {exc}"}
+        # a read of the process's memory can catch it mid-change (a thread starting or ending):
+        # py-spy then says "Failed to get stack traces", and the next read succeeds
+        transient = TRANSIENT_FAILURE in (proc.stderr or proc.stdout or "")
+        if proc.returncode == 0 or not transient or attempt == DUMP_ATTEMPTS - 1:
+            break
         _resume(pid)
-        return {"ok": False, "pid": pid, "error": f"py-spy timed out after {timeout:.0f} s"}
-    except OSError as exc:
-        return {"ok": False, "pid": pid, "error": f"cannot run py-spy: {exc}"}
+        if deadline - time.monotonic() < 1.5:
+            break
+        time.sleep(0.2)
     if proc.returncode != 0:
         _resume(pid)  # py-spy can leave its target stopped when it fails mid-attach
         error = explain_failure(proc.stderr or proc.stdout)

@@ -28,6 +28,7 @@ VERDICT_KINDS = (
     "replicas.differ",
     "collective.mismatch",
     "straggler",
+    "thread.died",
     "sddoctor.internal_error",
     "oom.recovered",
     "restarted",

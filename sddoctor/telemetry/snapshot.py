@@ -187,6 +187,8 @@ class RankSnapshot:
     #: the calls issued and not known complete, oldest first
     inflight: tuple[Collective, ...] = ()
     last_done: Collective | None = None
+    #: the main thread's last completed call, when a helper thread's completed after it
+    last_done_main: Collective | None = None
     failed: Collective | None = None
     #: the last seq issued per process group ("0", "0:p2p", ...)
     issued: Mapping[str, int] = field(default_factory=dict)
@@ -229,6 +231,7 @@ class RankSnapshot:
             if isinstance(inflight, list)
             else (),
             last_done=_collective(colls.get("last_done")),
+            last_done_main=_collective(colls.get("last_done_main")),
             failed=_collective(colls.get("failed")),
             issued={str(k): v for k, v in issued.items() if _int(v) is not None},
             groups={

@@ -9,6 +9,8 @@
   goes on meanwhile).
 - EXIT_AT=N: rank 1 leaves with os._exit(0) after step N (rank 0 then loses its peer).
 - THREAD_DIES=1: rank 1's meter thread raises at its 4th round; rank 0's meter waits for it.
+- UPLOADER_DIES=1: rank 1 hands its step-AT results to an upload thread, which raises; the ranks
+  train on to a healthy end without it.
 - PENDING=1: rank 0 posts an irecv from rank 1 before the loop and waits for it after; rank 1
   sends at the end (an early-stop flag left pending on purpose).
 - UNUSED=1: a bug every rank shares: a DDP model with a head its forward never uses and
@@ -53,6 +55,11 @@ class Meter(threading.Thread):
             time.sleep(0.2)
 
 
+def upload(step):
+    time.sleep(0.05)
+    raise OSError(f"upload of step {step} failed: bucket 'runs' not found")  # marker: upload raises
+
+
 STALL_STEPS = [int(n) for n in os.environ.get("STALL_STEPS", str(AT)).split(",")]
 
 
@@ -93,6 +100,8 @@ def main():
         x = read_batch(rank, step)
         dist.all_reduce(x)  # marker: step all_reduce
         total += int(x.sum())
+        if os.environ.get("UPLOADER_DIES") == "1" and rank == 1 and step == AT:
+            threading.Thread(target=upload, args=(step,), name="uploader", daemon=True).start()
         if rank == 1 and step == int(os.environ.get("EXIT_AT", "0")):
             os._exit(0)  # marker: os exit
         time.sleep(0.1)
