@@ -86,11 +86,13 @@ class TelemetryWriter:
     # -- I/O ------------------------------------------------------------------------------------
 
     def flush(self, *, state: bool = True, timeout: float = -1) -> bool:
-        """Write queued events now, and the snapshot with `state` or when one is due. Safe from any thread, and from a
-        signal handler: one that interrupted this thread's own flush (SIGTERM while the rank writes
-        its exception) cannot wait for the lock that the interrupted frame holds, so it appends the
-        events on its own and leaves the snapshot to that frame. With a `timeout`, gives up (False)
-        rather than wait longer for another thread's flush; a process on its way out passes one."""
+        """Write queued events now, and the snapshot with `state` or when one is due.
+
+        Safe from any thread, and from a signal handler: one that interrupted this thread's own
+        flush (SIGTERM while the rank writes its exception) cannot wait for the lock that the
+        interrupted frame holds, so it appends the events on its own and leaves the snapshot to
+        that frame. With a `timeout`, gives up (False) rather than wait longer for another
+        thread's flush; a process on its way out passes one."""
         me = threading.get_ident()
         if self._io_owner == me:
             self._flush_events()
