@@ -23,6 +23,7 @@ from sddoctor.supervise.diagnose_base import (
     PEER_FAILURE,
     STOP_SIGNALS,
     abnormal_exit,
+    coded_warnings,
     describe_exit,
     exception_location,
     join_ranks,
@@ -108,9 +109,7 @@ def diagnose_replicas(state: RunState) -> list[Verdict]:
         for ev in rank.replicas:
             if isinstance(ev.get("step"), int) and isinstance(ev.get("params_sha256"), str):
                 by_step.setdefault(ev["step"], {})[rank.rank] = ev["params_sha256"]
-    warned = [
-        (r.rank, w) for r in state.ranks.values() for w in r.warnings if w.get("code") == "replicas_differ"
-    ]
+    warned = coded_warnings(state, "replicas_differ")
     differing = {step: d for step, d in by_step.items() if len(set(d.values())) > 1}
     if not differing and not warned:
         return []
@@ -216,23 +215,22 @@ def diagnose_thread_deaths(state: RunState) -> list[Verdict]:
     exit code says nothing, and whatever the thread did silently stopped. One warning per thread
     and error; `without_explained_thread_deaths` then drops those other verdicts already tell."""
     verdicts = []
-    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
-        seen = set()
-        for w in rank.warnings:
-            key = (w.get("thread"), w.get("type"), w.get("caller"))
-            if w.get("code") != "thread_exception" or key in seen:
-                continue
-            seen.add(key)
-            caller = w.get("caller") if isinstance(w.get("caller"), str) else None
-            error = str(w.get("error") or "")
-            summary = (
-                f"rank {rank.rank}'s thread {w.get('thread')!r} died of {w.get('type')}: {error[:200]}"
-                + (f" at {caller}" if caller else "")
-                + "; the rank went on without it, and whatever that thread did stopped"
-            )
-            details = {k: w.get(k) for k in ("thread", "type", "error", "caller", "traceback", "step", "t")}
-            evidence = [f"rank {rank.rank}: {w.get('message')}"]  # the report shows details.traceback
-            verdicts.append(Verdict("thread.died", "warning", summary, rank.rank, caller, details, evidence))
+    seen = set()
+    for rank, w in sorted(coded_warnings(state, "thread_exception"), key=lambda rw: rw[0]):
+        key = (rank, w.get("thread"), w.get("type"), w.get("caller"))
+        if key in seen:
+            continue
+        seen.add(key)
+        caller = w.get("caller") if isinstance(w.get("caller"), str) else None
+        error = str(w.get("error") or "")
+        summary = (
+            f"rank {rank}'s thread {w.get('thread')!r} died of {w.get('type')}: {error[:200]}"
+            + (f" at {caller}" if caller else "")
+            + "; the rank went on without it, and whatever that thread did stopped"
+        )
+        details = {k: w.get(k) for k in ("thread", "type", "error", "caller", "traceback", "step", "t")}
+        evidence = [f"rank {rank}: {w.get('message')}"]  # the report shows details.traceback
+        verdicts.append(Verdict("thread.died", "warning", summary, rank, caller, details, evidence))
     return verdicts
 
 

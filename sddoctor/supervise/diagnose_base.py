@@ -262,5 +262,10 @@ def abnormal_exit(exit_info: dict[str, Any] | None) -> bool:
     return bool(exit_info.get("signal")) or exit_info.get("code") not in (0, None)
 
 
+def coded_warnings(state: RunState, code: str) -> list[tuple[int, dict[str, Any]]]:
+    """(rank, warning event) of every rank's recent `warning` events with this `code`."""
+    return [(r.rank, w) for r in state.ranks.values() for w in r.warnings if w.get("code") == code]
+
+
 def join_ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)

@@ -24,6 +24,7 @@ from sddoctor.supervise.callhistory import (
 )
 from sddoctor.supervise.diagnose_base import (
     asleep_text,
+    coded_warnings,
     describe_exit,
     ended_cleanly,
     exception_location,
@@ -114,9 +115,7 @@ def _with_thread_deaths(state: RunState, verdict: Verdict) -> Verdict:
     on, so its peers' threads wait forever in the next one. When that thread issued the culprit's
     calls on the group the verdict names (its last call there is in a file of the thread's
     traceback), the thread's death is the cause and its line the location."""
-    deaths = [
-        (r.rank, w) for r in state.ranks.values() for w in r.warnings if w.get("code") == "thread_exception"
-    ]
+    deaths = coded_warnings(state, "thread_exception")
     for rank, w in deaths:
         where = f" at {w['caller']}" if isinstance(w.get("caller"), str) else ""
         verdict.evidence.append(f"rank {rank}: {w.get('message')}{where}")

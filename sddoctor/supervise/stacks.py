@@ -319,21 +319,21 @@ def hot_frame(raw: str, pid: int, roots: CodeRoots) -> dict[str, Any]:
         if not count_text.isdigit() or not head.startswith(f"thread ({pid})"):
             continue
         frames = [_parse_folded(f) for f in frames_text.split(";") if f]
-        user_line = None
-        for path, line_no, name in reversed(frames):  # innermost first
+        # innermost first: a torch.distributed frame inside the user's code is a wait in a collective;
+        # one outside it (an elastic worker's @record wrapper) is not
+        user_line, in_collective = None, False
+        for path, line_no, name in reversed(frames):
             if path.startswith(waiting):
-                break  # inside a collective the user's code called: waiting, not working
+                in_collective = True
+                break
             if roots.is_user(path):
                 user_line = (f"{path}:{line_no}", name)
                 break
-        else:
-            total += int(count_text)  # no user frame at all (start-up, shutdown): counted, named nowhere
-            continue
-        if user_line is None:
-            continue
-        # torch.distributed frames outside the user's (an elastic worker's @record wrapper) are not a wait
-        total += int(count_text)
-        counts[user_line] = counts.get(user_line, 0) + int(count_text)
+        if in_collective:
+            continue  # waiting, not working
+        total += int(count_text)  # a sample without a user frame (start-up, shutdown) is named nowhere
+        if user_line is not None:
+            counts[user_line] = counts.get(user_line, 0) + int(count_text)
     if not counts:
         return {"error": "no sample of the main thread was in the user's own code", "samples": total}
     (location, function), hits = max(counts.items(), key=lambda kv: kv[1])
