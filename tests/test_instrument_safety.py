@@ -95,6 +95,44 @@ def test_a_sigterm_that_comes_while_the_rank_flushes_its_telemetry_ends_it_with_
     assert [(e["status"], e["code"]) for e in events if e["kind"] == "exit"] == [("signal", 143)], events
 
 
+STUCK_IN_NATIVE_SCRIPT = """
+import os, signal, sys, threading
+from datetime import timedelta
+import torch.distributed as dist
+from sddoctor.instrument import api
+api.enable(sys.argv[1], rank=0, world_size=1)
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+def wait_for_peer():
+    store.get("never-set")  # blocked in C++, which retries through the signal: no Python handler runs
+wait_for_peer()
+"""
+
+
+def test_a_rank_stuck_in_native_code_when_sigterm_comes_records_where_it_was(tmp_path) -> None:
+    """The rank's watcher thread ends it (its Python handler cannot run), and the exit event says
+    where the main thread was: the line a launcher's SIGTERM found a stuck rank at."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_IN_NATIVE_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+    events = [json.loads(line) for line in (tmp_path / "run" / "ranks" / "rank-00000.jsonl").open()]
+    (exit_event,) = [e for e in events if e["kind"] == "exit"]
+    stuck, outer = f"{script}:10", f"{script}:11"
+    assert (exit_event["status"], exit_event["at"], exit_event["at_function"]) == (
+        "signal",
+        stuck,
+        "wait_for_peer",
+    )
+    assert exit_event["stack"] == [f"{outer} in <module>", f"{stuck} in wait_for_peer"], exit_event
+
+
 def _run_rank_script(script: str, run_dir: Path) -> subprocess.CompletedProcess[str]:
     """`script` in a fresh interpreter, with the run directory as its first argument."""
     return subprocess.run(

@@ -23,6 +23,7 @@ STATIC = CLIENTS / "static_unused.py"
 RECORD = CLIENTS / "record_metrics.py"
 ZERO = CLIENTS / "zero_optimizer.py"
 FABRIC = CLIENTS / "fabric_script.py"
+SHORT_TIMEOUT = CLIENTS / "short_pg_timeout.py"
 HANG = ("--hang-timeout", "5", "--on-hang", "kill")
 #: record_metrics with 10 steps: per 5 steps 5 gradient all-reduces, an all_gather_object (#6)
 #: and a broadcast_object_list (#7); the monitored_barrier at the end is #15
@@ -36,6 +37,11 @@ CASES: dict[str, tuple[Path, str | None, dict[str, str]]] = {
     # rank 1 sleeps before the monitored_barrier, whose 3 s timeout ends rank 0's wait (and the
     # job) before --hang-timeout (30 s here) does
     "monitored-timeout": (RECORD, "sleep:rank=1,seconds=600,seq=15", {**RECORD_ENV, "MONITOR_TIMEOUT": "3"}),
+    # rank 1 stops at step 6 while rank 0's gradient all-reduce waits; gloo's 10 s timeout ends
+    # rank 0 first: rank 1, in a sleep of its own, is stopped by torchrun's SIGTERM; rank 1, in an
+    # all-reduce on a second group, fails there as rank 0's end closes the connection
+    "stopped-in-sleep": (SHORT_TIMEOUT, None, {"STALL": "sleep"}),
+    "held-in-other-group": (SHORT_TIMEOUT, None, {"STALL": "side"}),
     "zero-healthy": (ZERO, None, {"STEPS": "12"}),
     "fabric-healthy": (FABRIC, None, {"STEPS": "12"}),
 }
@@ -53,7 +59,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Supervised | str
             return done.stdout
         script, fault, extra = CASES[name]
         env = {"OMP_NUM_THREADS": "1", **extra}
-        options = ("--hang-timeout", "30") if name == "monitored-timeout" else HANG
+        patient = name in ("monitored-timeout", "stopped-in-sleep", "held-in-other-group")
+        options = ("--hang-timeout", "30") if patient else HANG
         return run_supervised(
             where,
             torchrun(2, "--standalone", str(script)),
@@ -124,6 +131,35 @@ def test_a_rank_asleep_when_monitored_barrier_gives_up_is_located_at_its_sleep(r
     assert (v["kind"], v["culprit_rank"], v["details"]["ended"]) == ("hang.missing_rank", 1, "timeout"), v
     assert v["location"] == script_line("# MONITORED", RECORD), v
     assert "monitoredBarrier" in v["summary"] and "asleep in the injected fault" in v["summary"], v
+
+
+def test_a_rank_stopped_by_sigterm_is_located_where_it_was_stuck(runs: dict) -> None:
+    """The process group's timeout ends rank 0 before any stack is taken, and torchrun stops rank 1
+    with SIGTERM: rank 1's exit event says where its main thread was, and the verdict places it
+    there, not at its last completed collective (the backward of step 5)."""
+    res = _run(runs, "stopped-in-sleep")
+    assert res.returncode == 1, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"], v["details"]["ended"]) == ("hang.missing_rank", 1, "timeout"), v
+    stuck = script_line("# STALL_SLEEP", SHORT_TIMEOUT)
+    assert v["location"] == stuck, v
+    assert f"it was at {stuck} in main() when SIGTERM stopped it" in v["summary"], v
+    (exit_event,) = res.events(1, "exit")
+    assert (exit_event["status"], exit_event["at"]) == ("signal", stuck), exit_event
+    assert exit_event["stack"][-1] == f"{stuck} in main", exit_event
+
+
+def test_a_rank_held_in_another_groups_call_is_located_there(runs: dict) -> None:
+    """Rank 1 waits in an all-reduce on a second group that rank 0 never joins; rank 0's own
+    timeout ends it, and rank 1's call fails as the connection closes: rank 1 is placed at that
+    call, not at its last completed collective."""
+    res = _run(runs, "held-in-other-group")
+    assert res.returncode == 1, res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"], v["details"]["ended"]) == ("hang.missing_rank", 1, "timeout"), v
+    stuck = script_line("# STALL_SIDE", SHORT_TIMEOUT)
+    assert v["location"] == stuck, v
+    assert f"it was in all_reduce #1 on group 1 at {stuck} until that call failed" in v["summary"], v
 
 
 def test_zero_redundancy_optimizer_runs_healthy_and_unchanged(runs: dict) -> None:

@@ -139,6 +139,10 @@ VARIANTS.update(
         # each Triton kernel's block sizes tuned by timing their neighbours (the norm kernels'
         # launch configuration is what makes the up-blocks' GroupNorm slow)
         "default-coordtune": {"model.compile_options": ["coordinate_descent_tuning=true"]},
+        # the compiled graphs' host side in C++ instead of Python: aimed at the gaps while the
+        # host launches the compiled backward's kernels (its compile fails on torch 2.11, see
+        # docs/performance.md)
+        "default-cppwrapper": {"model.compile_options": ["cpp_wrapper=true"]},
     }
 )
 

@@ -81,6 +81,7 @@ class RankSession:
         self._exit: tuple[str, int | None] | None = None
         self._exit_written = False
         self._exit_call: str | None = None  # where sys.exit(status != 0) was called
+        self._signal_position: dict[str, Any] = {}  # where the main thread was when SIGTERM came
         self._uncaught_recorded = False
         self._fatal_dump = False
         self._closed = False
@@ -227,8 +228,16 @@ class RankSession:
         except Exception as exc:  # noqa: BLE001 - the rank is exiting; its exit event must still be written
             internal_error("uncaught exception at exit", exc)
 
+    def note_signal_position(self, position: dict[str, Any]) -> None:
+        """Where the main thread was when SIGTERM came (exit_hooks); the first signal is kept. The
+        `exit` event carries it when the process dies of that signal."""
+        self._signal_position = self._signal_position or position
+
     def _exit_fields(self) -> dict[str, Any]:
-        return {"caller": self._exit_call} if self._exit_call else {}
+        fields: dict[str, Any] = {"caller": self._exit_call} if self._exit_call else {}
+        if self._exit is not None and self._exit[0] == "signal":
+            fields.update(self._signal_position)
+        return fields
 
     def mark_exit(self, status: str, code: int | None) -> None:
         """Remember how the process ends; the `exit` event is written once, at close."""

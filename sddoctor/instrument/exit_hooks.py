@@ -70,6 +70,44 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
     }
 
 
+def frame_position(frame: Any) -> dict[str, Any]:
+    """Where a thread whose innermost frame is `frame` stands, as an `exit` event says it
+    (`at`, `at_function`, `stack`): the innermost frame of the user's own code (else the innermost
+    outside torch and sddoctor), and the whole Python stack, innermost last."""
+    if frame is None:
+        return {}
+    # the innermost 64 frames, outermost first; no source lines read (this runs as the process dies)
+    walked = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=64, lookup_lines=False)
+    frames = list(reversed(walked))
+    roots = current_roots()
+    chosen = next((fs for fs in reversed(frames) if roots.is_user(fs.filename)), None)
+    if chosen is None:
+        chosen = next((fs for fs in reversed(frames) if not roots.is_internal(fs.filename)), None)
+    if chosen is None:
+        return {}
+    return {
+        "at": f"{chosen.filename}:{chosen.lineno}",
+        "at_function": chosen.name,
+        "stack": [f"{fs.filename}:{fs.lineno} in {fs.name}" for fs in frames],
+    }
+
+
+def _main_thread_frame() -> Any:
+    return sys._current_frames().get(threading.main_thread().ident or -1)
+
+
+def _note_signal_position(frame: Any) -> None:
+    """Keep where the main thread was when SIGTERM came, for the `exit` event: a rank that the
+    launcher stops (a peer failed or timed out) has no other record of the line it was stuck at."""
+    session = _own_session()
+    if session is None:
+        return
+    try:
+        session.note_signal_position(frame_position(frame))
+    except Exception:  # noqa: BLE001 - the process is being stopped: never stand in the way
+        pass
+
+
 def _remote_traceback(exc: BaseException) -> str | None:
     """The worker's traceback of an exception re-raised from a `multiprocessing.Pool` or a
     `ProcessPoolExecutor` worker: its cause, a RemoteTraceback, holds the text (the rank's own
@@ -269,6 +307,7 @@ def _install_sigterm(grace: float) -> None:
     handled = threading.Event()
 
     def on_sigterm(signum: int, frame: Any) -> None:
+        _note_signal_position(frame)
         if callable(previous):
             handled.set()
             _flush(None, 0)  # the script's own handler decides whether (and how) the process ends
@@ -377,6 +416,7 @@ def _watch_signals(
             _flush(None, 0)  # someone else's handler runs in the main thread and decides
             continue
         deadline = time.monotonic() + grace  # counted from the signal: the flush is bounded but may wait
+        _note_signal_position(_main_thread_frame())  # stuck in native code, it has no Python handler yet
         _flush("signal", 128 + signal.SIGTERM)
         while time.monotonic() < deadline and not handled.is_set():
             time.sleep(0.05)

@@ -180,6 +180,9 @@ def where_is(rank: RankState) -> tuple[str | None, str]:
         frame = rank.stack["top_user_frame"]
         func = rank.stack.get("top_user_function")
         return frame, f"its stack is at {frame}" + (f" in {func}()" if func else "")
+    ended_at = signal_position(rank) or raised_position(rank)
+    if ended_at is not None:
+        return ended_at
     phase = rank.snapshot.phase
     # the rank's own last sync, not a helper thread's (a metrics thread all-reducing on its own group)
     done = rank.snapshot.last_done_main or rank.snapshot.last_done
@@ -191,6 +194,35 @@ def where_is(rank: RankState) -> tuple[str | None, str]:
     if phase:
         return None, f"it is in phase {phase!r}"
     return None, "no stack or collective record says where"
+
+
+def signal_position(rank: RankState) -> tuple[str, str] | None:
+    """Where a rank's main thread was when SIGTERM ended it (its `exit` event's `at`): the line
+    it was stuck at when the launcher stopped it, though no stack was taken before."""
+    exit_info = rank.exit or {}
+    at = exit_info.get("at")  # written by the rank only when SIGTERM ended it
+    if not isinstance(at, str) or not at:
+        return None
+    func = exit_info.get("at_function")
+    where = f"{at} in {func}()" if isinstance(func, str) and func else at
+    return at, f"it was at {where} when SIGTERM stopped it"
+
+
+def raised_position(rank: RankState) -> tuple[str, str] | None:
+    """Where a rank's uncaught exception ended it: for a rank that waited in a call of its own until
+    a peer's end broke it ("Connection closed by peer"), the line it was held at."""
+    exc = rank.exception
+    location = exception_location(exc, rank)
+    if exc is None or location is None:
+        return None
+    kind = str(exc.get("type") or "an exception")
+    call = exc.get("collective")
+    if isinstance(call, dict) and call.get("op"):
+        return location, (
+            f"it was in {call['op']} #{call.get('seq')} on group {call.get('pg')} at {location} "
+            f"until that call failed with {kind}"
+        )
+    return location, f"it raised {kind} at {location}"
 
 
 def death_time(rank: RankState) -> float:

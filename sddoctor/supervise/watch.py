@@ -221,6 +221,8 @@ class Watcher:
             info: dict[str, Any] = {"t": event.get("t"), "source": "exit event", "status": status}
             if isinstance(event.get("caller"), str):
                 info["caller"] = event["caller"]  # where sys.exit(failure) was called
+            if isinstance(event.get("at"), str):  # where SIGTERM found the main thread
+                info.update({k: event[k] for k in ("at", "at_function", "stack") if k in event})
             if isinstance(code, int):
                 if status == "signal" and code > 128:
                     info["signal"] = code - 128  # written as 128 + signal number

@@ -203,6 +203,11 @@ class ExitFields(TypedDict, total=False):
     step: int | None
     #: file:line of the user's code that called sys.exit with a failure status
     caller: str
+    #: status "signal": where the main thread was when SIGTERM came (its innermost user frame),
+    #: that frame's function, and the main thread's stack ("file:line in func", innermost last)
+    at: str
+    at_function: str
+    stack: list[str]
 
 
 class ReplicasFields(TypedDict, total=False):
