@@ -187,3 +187,27 @@ def test_a_fabric_loop_runs_healthy_with_its_steps_counted(runs: dict) -> None:
         assert [s["step"] for s in steps] == list(range(1, 13))
         assert {s.get("samples") for s in steps} == {8}
     assert res.report["health"]["throughput"]["steps"] == 12
+
+
+def test_a_hang_found_without_stacks_places_the_culprit_where_the_stop_found_it(tmp_path: Path) -> None:
+    """With `--on-hang wait` no stack is taken: the hang is reported with rank 1 at its last
+    completed collective. The user then presses Ctrl-C; the report names the line rank 1 was stuck
+    at when the job stopped (its sleep), from how the rank ended."""
+    res = run_supervised(
+        tmp_path,
+        torchrun(2, "--standalone", str(SHORT_TIMEOUT)),
+        options=("--hang-timeout", "5", "--on-hang", "wait"),
+        env={"OMP_NUM_THREADS": "1", "STALL": "sleep", "PG_TIMEOUT": "600"},
+        interrupt_when_file=tmp_path / "run" / "report.json",
+        timeout=120,
+    )
+    assert_no_sddoctor_traceback(res)
+    assert res.returncode == 130 and res.report["outcome"] == "interrupted", res.stderr[-3000:]
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    stuck = script_line("# STALL_SLEEP", SHORT_TIMEOUT)
+    assert (v["location"], v["details"]["stopped_at"]) == (stuck, stuck), v
+    assert (
+        "its last completed collective" in v["summary"]
+        and "When the job was stopped, rank 1:" in v["summary"]
+    ), v

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import sddoctor.instrument.api
-from sddoctor.supervise.diagnose import diagnose
+from sddoctor.supervise.diagnose import diagnose, place_stackless_culprits
 from sddoctor.supervise.diagnose_crash import last_traceback
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.supervise.watch import parse_launcher_failures
@@ -222,6 +222,25 @@ def test_without_a_stack_a_missing_rank_is_where_its_main_thread_last_synced() -
     state = hung(rank(0, inflight=[call(7)]), missing)
     (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
     assert (v.kind, v.culprit_rank, v.location) == ("hang.missing_rank", 1, "train.py:30"), v.summary
+
+
+def test_a_frozen_hang_without_the_culprits_stack_is_placed_where_sigterm_found_it() -> None:
+    """The verdict frozen at the hang placed rank 1 at its last completed call; the exit event of
+    the stop that followed says where its main thread was. A culprit whose stack was taken keeps
+    its verdict, and a verdict placed once is not placed again."""
+    missing = rank(1, issued=6, done=call(6, caller="train.py:30"))
+    state = hung(rank(0, inflight=[call(7)]), missing)
+    (frozen,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert frozen.location == "train.py:30"
+    missing.exit = {"status": "signal", "signal": 15, "at": "train.py:12", "at_function": "load_batch"}
+    (placed,) = place_stackless_culprits([frozen], state)
+    assert (placed.location, placed.details["stopped_at"]) == ("train.py:12", "train.py:12")
+    assert placed.summary.endswith(
+        "When the job was stopped, rank 1: it was at train.py:12 in load_batch() when SIGTERM stopped it"
+    )
+    assert place_stackless_culprits([placed], state) == [placed]
+    missing.stack = {"ok": True, "top_user_frame": "train.py:30"}
+    assert place_stackless_culprits([frozen], state) == [frozen]
 
 
 def test_a_work_the_program_left_pending_is_not_a_stall() -> None:

@@ -72,8 +72,9 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
 
 def frame_position(frame: Any) -> dict[str, Any]:
     """Where a thread whose innermost frame is `frame` stands, as an `exit` event says it
-    (`at`, `at_function`, `stack`): the innermost frame of the user's own code (else the innermost
-    outside torch and sddoctor), and the whole Python stack, innermost last."""
+    (`at`, `at_function`, `stack`): the innermost frame of the user's own code, and the whole Python
+    stack, innermost last. Without a frame of the user's (a rank held in an atexit callback after
+    its script ended) there is no line to name: nothing."""
     if frame is None:
         return {}
     # the innermost 64 frames, outermost first; no source lines read (this runs as the process dies)
@@ -81,8 +82,6 @@ def frame_position(frame: Any) -> dict[str, Any]:
     frames = list(reversed(walked))
     roots = current_roots()
     chosen = next((fs for fs in reversed(frames) if roots.is_user(fs.filename)), None)
-    if chosen is None:
-        chosen = next((fs for fs in reversed(frames) if not roots.is_internal(fs.filename)), None)
     if chosen is None:
         return {}
     return {

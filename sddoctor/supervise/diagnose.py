@@ -16,6 +16,7 @@ all and orders the verdicts most severe first.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sddoctor.supervise.diagnose_base import (
@@ -31,7 +32,9 @@ from sddoctor.supervise.diagnose_base import (
     killed_by_fault,
     locate_spawned_culprits,
     lone_rank,
+    raised_position,
     raised_text,
+    signal_position,
     unclean_marked,
 )
 from sddoctor.supervise.diagnose_crash import diagnose_crash, diagnose_crash_mismatch
@@ -99,6 +102,39 @@ def merge_verdicts(first: list[Verdict], rest: list[Verdict]) -> list[Verdict]:
             if (v.kind, v.culprit_rank) not in seen and not (first and v.kind.startswith("hang."))
         ]
     )
+
+
+def place_stackless_culprits(frozen: list[Verdict], state: RunState) -> list[Verdict]:
+    """The frozen hang verdicts, each culprit that had no stack when it was frozen (py-spy could not
+    attach, or `--on-hang wait`) placed where the end of the job found it: where SIGTERM found its
+    main thread, or the line of the exception that ended it (Ctrl-C's KeyboardInterrupt). The rest
+    are returned as they are; a verdict placed once is not placed again."""
+    placed = []
+    for verdict in frozen:
+        rank = state.ranks.get(verdict.culprit_rank) if verdict.culprit_rank is not None else None
+        if (
+            rank is None
+            or not verdict.kind.startswith("hang.")
+            or verdict.details.get("resolved")
+            or "stopped_at" in verdict.details
+            or (rank.stack or {}).get("top_user_frame")
+        ):
+            placed.append(verdict)
+            continue
+        ended = signal_position(rank) or raised_position(rank)
+        if ended is None:
+            placed.append(verdict)
+            continue
+        location, how = ended
+        placed.append(
+            dataclasses.replace(
+                verdict,
+                summary=f"{verdict.summary.rstrip('.')}. When the job was stopped, rank {rank.rank}: {how}",
+                location=location,
+                details={**verdict.details, "stopped_at": location},
+            )
+        )
+    return placed
 
 
 def diagnose_replicas(state: RunState) -> list[Verdict]:

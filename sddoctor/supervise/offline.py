@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from sddoctor.gpu.host import pid_running
-from sddoctor.supervise.diagnose import diagnose, merge_verdicts
+from sddoctor.supervise.diagnose import diagnose, merge_verdicts, place_stackless_culprits
 from sddoctor.supervise.facts import hang_verdicts, read_facts, settle_exits
 from sddoctor.supervise.lifecycle import lease_status
 from sddoctor.supervise.payloads import attach_mismatches
@@ -49,7 +49,7 @@ def diagnose_run_dir(run_dir: RunDir, now: float | None = None) -> dict[str, Any
         for rank in state.ranks.values():
             rank.alive = False
         settle_exits(state)
-        frozen = hang_verdicts(facts)
+        frozen = place_stackless_culprits(hang_verdicts(facts), state)
         if not frozen:  # after a hang the ranks' call numbers need not line up
             attach_mismatches(state, run_dir)
         verdicts = merge_verdicts(frozen, diagnose(state))

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from sddoctor import exitcodes
 from sddoctor.codepaths import CodeRoots
 from sddoctor.supervise import flightrec, stacks
-from sddoctor.supervise.diagnose import diagnose, merge_verdicts
+from sddoctor.supervise.diagnose import diagnose, merge_verdicts, place_stackless_culprits
 from sddoctor.supervise.diagnose_base import describe_exit
 from sddoctor.supervise.diagnose_hang import in_dataloader
 from sddoctor.supervise.facts import settle_exits, write_facts
@@ -430,6 +430,8 @@ class Supervisor:
         facts = self.facts(final=True)
         state = self.watcher.state(now, facts)
         settle_exits(state)
+        self.hang_verdicts = place_stackless_culprits(self.hang_verdicts, state)
+        facts["hang_verdicts"] = [v.to_dict() for v in self.hang_verdicts]
         if not self.hang_verdicts:  # after a hang the ranks' call numbers need not line up
             attach_mismatches(state, self.opts.run_dir)
         self.verdicts = merge_verdicts(self.hang_verdicts, diagnose(state))
