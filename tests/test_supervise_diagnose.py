@@ -10,6 +10,7 @@ import pytest
 import sddoctor.instrument.api
 from sddoctor.supervise.diagnose import diagnose, place_stackless_culprits
 from sddoctor.supervise.diagnose_crash import last_traceback
+from sddoctor.supervise.diagnose_oom import host_oom_finding
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.supervise.watch import parse_launcher_failures
 
@@ -241,6 +242,24 @@ def test_a_frozen_hang_without_the_culprits_stack_is_placed_where_sigterm_found_
     assert place_stackless_culprits([placed], state) == [placed]
     missing.stack = {"ok": True, "top_user_frame": "train.py:30"}
     assert place_stackless_culprits([frozen], state) == [frozen]
+
+
+def test_an_oom_kill_the_kernel_log_does_not_name_is_still_said_from_its_counter() -> None:
+    """The kernel log could not be read (dmesg_restrict): the counter moved during the run, and a
+    rank that died of SIGKILL is said to have most likely been one of its kills."""
+    state = hung(rank(0), rank(1))
+    state.host_oom = {"kills": 2, "source": "/proc/vmstat", "killed": None}
+    clause, details = host_oom_finding(state, 4321, killed_hard=True, exception_message=None) or ("", {})
+    assert clause == (
+        "; the kernel's OOM killer killed 2 processes on this host during the run (/proc/vmstat): "
+        "most likely it, for lack of host memory (not the GPU's)"
+    )
+    assert details == {"kills": 2, "source": "/proc/vmstat", "killed": None}
+    worker = "DataLoader worker (pid(s) 77) exited unexpectedly"
+    assert "most likely its DataLoader worker" in host_oom_finding(state, 4321, False, worker)[0]  # type: ignore[index]
+    assert host_oom_finding(state, 4321, killed_hard=False, exception_message="ValueError") is None
+    state.host_oom = {"kills": 0, "source": "/proc/vmstat", "killed": None}
+    assert host_oom_finding(state, 4321, killed_hard=True, exception_message=None) is None
 
 
 def test_a_work_the_program_left_pending_is_not_a_stall() -> None:

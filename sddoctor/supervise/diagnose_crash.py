@@ -31,6 +31,7 @@ from sddoctor.supervise.diagnose_base import (
     where_is,
 )
 from sddoctor.supervise.diagnose_hang import DDP_STEP_CALLS, absent_rank_position, mismatch_from_sightings
+from sddoctor.supervise.diagnose_oom import HOST_OOM_ADVICE, host_oom_finding
 from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import RankState, RunState, Verdict
 
@@ -402,9 +403,20 @@ def _crash_verdict(
         themselves = "themselves" if len(same_error) > 1 else "itself"
         summary += f"; rank{'s' if len(same_error) > 1 else ''} {join_ranks(same_error)} raised the same "
         summary += f"{_own_error(rank)} {themselves}"
+    host_oom = host_oom_finding(
+        state,
+        rank.pid,
+        killed_hard=not killed_by_fault(fault, exit_info)
+        and ((exit_info or {}).get("signal") == signal.SIGKILL or bool((exit_info or {}).get("unclean"))),
+        exception_message=str((exc or {}).get("message", "")),
+    )
+    if host_oom is not None:
+        summary += host_oom[0]
     if consequences:
         summary += f"; rank{'s' if len(consequences) > 1 else ''} {join_ranks(consequences)} stopped as a consequence"
     evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
+    if host_oom is not None:
+        evidence.append(HOST_OOM_ADVICE)
     traceback = exc.get("traceback") if exc else None
     if not traceback and len(state.ranks) <= 1:
         traceback = last_traceback(state.stderr_tail)
@@ -422,6 +434,8 @@ def _crash_verdict(
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
     if rank.fatal:
         details["fatal"] = rank.fatal
+    if host_oom is not None:
+        details["host_oom"] = host_oom[1]
     if nested:
         details["origin"] = {
             "source": nested.source,

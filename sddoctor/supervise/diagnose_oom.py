@@ -87,3 +87,53 @@ def diagnose_oom(state: RunState) -> list[Verdict]:
                 )
             )
     return verdicts
+
+
+#: torch's words for a DataLoader worker that died of a signal ("...(pid 1234) is killed by signal:
+#: Killed.") or vanished ("...(pid(s) 1234, 1235) exited unexpectedly")
+_WORKER_DIED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal|exited unexpectedly)"
+)
+
+HOST_OOM_ADVICE = (
+    "the kernel's OOM killer ends a process when the host runs out of memory (RAM, not the GPU's): "
+    "every rank and each of its DataLoader workers holds its own copies (the dataset, models kept on "
+    "the CPU); fewer workers per rank (num_workers), a smaller prefetch_factor, datasets that read "
+    "from disk instead of holding their data, or more host memory; `dmesg` lists each kill"
+)
+
+
+def host_oom_finding(
+    state: RunState, pid: int | None, killed_hard: bool, exception_message: str | None
+) -> tuple[str, dict[str, Any]] | None:
+    """What the kernel's OOM killer had to do with a rank's death: (a clause for the verdict's
+    summary, the `host_oom` details), or None when nothing says it did. `killed_hard`: the rank
+    died of SIGKILL (not an injected one) or vanished without an exit record."""
+    record = state.host_oom or {}
+    kills = record.get("kills")
+    if not isinstance(kills, int) or kills <= 0:
+        return None
+    killed = {str(p): str(c) for p, c in (record.get("killed") or {}).items()}
+    match = _WORKER_DIED.search(exception_message or "")
+    workers = [w.strip() for w in match.group(1).split(",") if w.strip()] if match else []
+    details: dict[str, Any] = {"kills": kills, "source": record.get("source"), "killed": killed or None}
+    if pid is not None and str(pid) in killed:
+        details["pid"] = pid
+        return "; the kernel's OOM killer killed it: the host ran out of memory (not the GPU)", details
+    named = [w for w in workers if w in killed]
+    if named:
+        details["dataloader_workers"] = [int(w) for w in named]
+        which = f"worker{'s' if len(named) > 1 else ''} (pid {', '.join(named)})"
+        return (
+            f"; the kernel's OOM killer killed its DataLoader {which}: the host ran out of memory (not the GPU)",
+            details,
+        )
+    if killed_hard or workers:
+        whom = "it" if killed_hard and not workers else "its DataLoader worker"
+        source = record.get("source") or "the kernel's counter"
+        return (
+            f"; the kernel's OOM killer killed {kills} process{'es' if kills > 1 else ''} on this host "
+            f"during the run ({source}): most likely {whom}, for lack of host memory (not the GPU's)",
+            details,
+        )
+    return None

@@ -35,6 +35,8 @@ def apply_facts(state: RunState, facts: dict[str, Any]) -> None:
         state.launcher_failures = [f for f in facts["launcher_failures"] if isinstance(f, dict)]
     if isinstance(facts.get("job_exit"), dict):
         state.job_exit = facts["job_exit"]
+    if isinstance(facts.get("host_oom"), dict):
+        state.host_oom = facts["host_oom"]
     episodes = facts.get("straggler_episodes")
     if isinstance(episodes, list):
         state.straggler_episodes = [e for e in episodes if isinstance(e, dict)]

@@ -214,6 +214,9 @@ class RunState:
     #: Failures the launcher reported (torchrun's "Root Cause" block): [{rank, exitcode, pid, root_cause}].
     launcher_failures: list[dict[str, Any]] = field(default_factory=list)
     stderr_tail: list[str] = field(default_factory=list)
+    #: What the kernel's OOM killer did during the run (`host_oom.Baseline.since`): {kills, source,
+    #: killed: {pid: command} or None}; None before the run ended, or when the supervisor did not say.
+    host_oom: dict[str, Any] | None = None
     #: Why stacks could not be taken (ptrace not permitted, py-spy missing), with the fix.
     stacks_problem: str | None = None
     flight_recorder: dict[str, Any] | None = None

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from sddoctor import exitcodes
 from sddoctor.codepaths import CodeRoots
-from sddoctor.supervise import flightrec, stacks
+from sddoctor.supervise import flightrec, host_oom, stacks
 from sddoctor.supervise.diagnose import diagnose, merge_verdicts, place_stackless_culprits
 from sddoctor.supervise.diagnose_base import describe_exit
 from sddoctor.supervise.diagnose_hang import in_dataloader
@@ -64,6 +64,7 @@ class Supervisor:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
         self.started = time.time()
+        self.oom_baseline = host_oom.Baseline.take()  # the kernel's OOM kills are counted from here
         self.job = Job(command=opts.command, env=opts.env, run_dir=opts.env["SDDOCTOR_RUN_DIR"])
         self.job_log = opts.run_dir.path / STDERR_FILE
         self.watcher = Watcher(opts.run_dir, options=opts.run_options, started=self.started)
@@ -482,6 +483,7 @@ class Supervisor:
             out["exits"] = {str(r): dict(p.exit) for r, p in self.job.ranks.items() if p.exit is not None}
             out["job_exit"] = {"code": self.job.exit_code, "t": self.job.exit_time}
             out["launcher_failures"] = parse_launcher_failures(tail) + self.watcher.spawn_failures()
+            out["host_oom"] = self.oom_baseline.since()
         return out
 
     def _write(self, state: RunState, *, outcome: str, exit_code: int | None) -> dict[str, Any]:
