@@ -36,7 +36,9 @@ def _boot_seconds() -> float:
         return time.monotonic()
 
 
-def _vmstat_kills(path: Path = VMSTAT) -> int | None:
+def _oom_kill_count(path: Path) -> int | None:
+    """The `oom_kill` line of a kernel counters file ("name value" lines: /proc/vmstat, a cgroup v2
+    memory.events)."""
     try:
         for line in path.read_text(encoding="ascii", errors="replace").splitlines():
             name, _, value = line.partition(" ")
@@ -47,11 +49,11 @@ def _vmstat_kills(path: Path = VMSTAT) -> int | None:
     return None
 
 
-def _cgroup_kills(
+def _cgroup_events(
     proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
-) -> int | None:
-    """`oom_kill` of this process's cgroup v2 `memory.events` (which counts its descendants' kills
-    too); None on cgroup v1, whose counter does not."""
+) -> Path | None:
+    """This process's cgroup v2 `memory.events`, which counts its descendants' kills too; None on
+    cgroup v1, whose counter does not."""
     try:
         lines = proc_cgroup.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -59,22 +61,18 @@ def _cgroup_kills(
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if hierarchy != "0" or controllers:
-            continue
-        events = root / path.lstrip("/") / "memory.events"
-        try:
-            for entry in events.read_text(encoding="ascii", errors="replace").splitlines():
-                name, _, value = entry.partition(" ")
-                if name == "oom_kill":
-                    return int(value)
-        except (OSError, ValueError):
-            return None
+        if hierarchy == "0" and not controllers:
+            return root / path.lstrip("/") / "memory.events"
     return None
 
 
 def counters() -> dict[str, int]:
     """The kernel's OOM-kill counters that can be read here, by source."""
-    found = {"/proc/vmstat": _vmstat_kills(), "cgroup memory.events": _cgroup_kills()}
+    events = _cgroup_events()
+    found = {
+        "/proc/vmstat": _oom_kill_count(VMSTAT),
+        "cgroup memory.events": _oom_kill_count(events) if events is not None else None,
+    }
     return {name: count for name, count in found.items() if count is not None}
 
 
