@@ -24,6 +24,7 @@ RECORD = CLIENTS / "record_metrics.py"
 ZERO = CLIENTS / "zero_optimizer.py"
 FABRIC = CLIENTS / "fabric_script.py"
 SHORT_TIMEOUT = CLIENTS / "short_pg_timeout.py"
+SLOW_LOADER = CLIENTS / "slow_loader.py"
 HANG = ("--hang-timeout", "5", "--on-hang", "kill")
 #: record_metrics with 10 steps: per 5 steps 5 gradient all-reduces, an all_gather_object (#6)
 #: and a broadcast_object_list (#7); the monitored_barrier at the end is #15
@@ -42,6 +43,8 @@ CASES: dict[str, tuple[Path, str | None, dict[str, str]]] = {
     # all-reduce on a second group, fails there as rank 0's end closes the connection
     "stopped-in-sleep": (SHORT_TIMEOUT, None, {"STALL": "sleep"}),
     "held-in-other-group": (SHORT_TIMEOUT, None, {"STALL": "side"}),
+    # rank 1's DataLoader workers read each sample 0.04 s: it waits for them every step
+    "slow-loader": (SLOW_LOADER, None, {"STEPS": "200"}),
     "zero-healthy": (ZERO, None, {"STEPS": "12"}),
     "fabric-healthy": (FABRIC, None, {"STEPS": "12"}),
 }
@@ -160,6 +163,23 @@ def test_a_rank_held_in_another_groups_call_is_located_there(runs: dict) -> None
     stuck = script_line("# STALL_SIDE", SHORT_TIMEOUT)
     assert v["location"] == stuck, v
     assert f"it was in all_reduce #1 on group 1 at {stuck} until that call failed" in v["summary"], v
+
+
+def test_a_straggler_that_waits_for_its_dataloader_is_placed_where_its_workers_spend_their_time(
+    runs: dict,
+) -> None:
+    """Rank 1's main thread spends its time at `for ... in loader`, waiting; py-spy samples its
+    worker processes too, and their busiest line, the slow read in `__getitem__`, is the verdict's."""
+    res = _run(runs, "slow-loader")
+    assert res.returncode == 0, res.stderr[-3000:]
+    (v,) = res.verdicts("straggler")
+    assert v["culprit_rank"] == 1, v
+    assert v["location"] == script_line("# SLOW_READ", SLOW_LOADER), v
+    loader = script_line("# LOADER", SLOW_LOADER)
+    assert f"its time goes at {loader} in main()" in v["summary"], v
+    assert "waiting for its DataLoader workers, whose time goes at" in v["summary"], v
+    assert any("rank 1 waits for its DataLoader" in line for line in v["evidence"]), v
+    assert v["details"]["cause"]["worker"]["function"] == "Samples.__getitem__", v
 
 
 def test_zero_redundancy_optimizer_runs_healthy_and_unchanged(runs: dict) -> None:

@@ -208,3 +208,37 @@ def test_the_hot_line_of_an_elastic_worker_is_its_own_code_under_torchs_record_w
     )
     hot = hot_frame(raw, 42, roots)
     assert hot == {"location": "/job/train.py:25", "function": "train", "share": 0.7, "samples": 10}, hot
+
+
+def test_a_rank_waiting_for_its_dataloader_is_placed_at_its_workers_busiest_line() -> None:
+    """py-spy `--subprocesses` prefixes each sample with its processes; the rank's main thread waits
+    in torch's DataLoader at the user's loop line, its worker's main thread reads a sample."""
+    from sddoctor.codepaths import CodeRoots
+    from sddoctor.supervise.stacks import hot_frame
+
+    torch_dir = "/env/site-packages/torch"
+    roots = CodeRoots(library=("/env/site-packages", "/usr/lib/python3.11", torch_dir), internal=(torch_dir,))
+    rank, worker = (
+        'process 42:"python train.py";',
+        'process 42:"python train.py";process 50:"python train.py";',
+    )
+    wait = f"__next__ ({torch_dir}/utils/data/dataloader.py:733);_get_data ({torch_dir}/utils/data/dataloader.py:1285)"
+    worker_loop = f"_worker_loop ({torch_dir}/utils/data/_utils/worker.py:349)"
+    raw = "\n".join(
+        [
+            f"{rank}thread (42): MainThread;main (/job/train.py:30);{wait} 45",
+            f"{rank}thread (42): MainThread;main (/job/train.py:31) 5",
+            f"{worker}thread (50): MainThread;{worker_loop};__getitem__ (/job/data.py:12);sleep (/usr/lib/python3.11/x.py:1) 80",
+            f"{worker}thread (50): MainThread;{worker_loop} 20",
+            f"{worker}thread (51): QueueFeederThread;run (/usr/lib/python3.11/threading.py:1) 99",
+        ]
+    )
+    hot = hot_frame(raw, 42, roots)
+    assert hot == {
+        "location": "/job/train.py:30",
+        "function": "main",
+        "share": 0.9,
+        "samples": 50,
+        "waits_for": "dataloader",
+        "worker": {"location": "/job/data.py:12", "function": "__getitem__", "share": 0.8, "samples": 100},
+    }, hot

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -294,7 +295,16 @@ def sample_hot_frame(
             "--format",
             "raw",
         ]
-        cmd += ["--full-filenames", "--nonblocking", "--idle", "--threads", "--output", str(out)]
+        # its DataLoader workers too: a rank that waits for them is slow where they are
+        cmd += [
+            "--full-filenames",
+            "--nonblocking",
+            "--idle",
+            "--threads",
+            "--subprocesses",
+            "--output",
+            str(out),
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -308,36 +318,100 @@ def sample_hot_frame(
         return hot_frame(out.read_text(errors="replace"), pid, roots)
 
 
+#: the processes py-spy's `--subprocesses` puts before a sample: `process 12:"python train.py";`
+_PROCESS_PREFIX = re.compile(r'process (\d+):"(?:[^"\\]|\\.)*";')
+_THREAD = re.compile(r"thread \((\d+)\)")
+#: a rank whose busiest line spends at least this share of its samples inside torch's DataLoader
+#: waits for its workers
+LOADER_WAIT_SHARE = 0.5
+
+
+def _folded_sample(line: str) -> tuple[int | None, int, list[tuple[str, str, str]], int] | None:
+    """(process id or None, thread id, frames outermost first, count) of a line of py-spy's raw output."""
+    stack, _, count_text = line.rpartition(" ")
+    if not count_text.isdigit():
+        return None
+    process = None
+    while match := _PROCESS_PREFIX.match(stack):
+        process, stack = int(match.group(1)), stack[match.end() :]
+    head, _, frames_text = stack.partition(";")
+    thread = _THREAD.match(head)
+    if thread is None:
+        return None
+    frames = [_parse_folded(f) for f in frames_text.split(";") if f]
+    return process, int(thread.group(1)), frames, int(count_text)
+
+
 def hot_frame(raw: str, pid: int, roots: CodeRoots) -> dict[str, Any]:
-    """The busiest user line of the main thread in py-spy's raw (folded) output."""
+    """The busiest user line of the main thread in py-spy's raw (folded) output. When most of that
+    line's samples wait inside torch's DataLoader (`waits_for: "dataloader"`), the busiest user line of
+    its worker processes' main threads (sampled with `--subprocesses`) is `worker`."""
     waiting = tuple(os.path.join(root, "distributed", "") for root in roots.internal)
+    loading = tuple(os.path.join(root, "utils", "data", "") for root in roots.internal)
     counts: dict[tuple[str, str], int] = {}
-    total = 0
+    in_loader: dict[tuple[str, str], int] = {}
+    workers: dict[tuple[str, str], int] = {}
+    total = worker_total = 0
     for line in raw.splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        head, _, frames_text = stack.partition(";")
-        if not count_text.isdigit() or not head.startswith(f"thread ({pid})"):
+        sample = _folded_sample(line)
+        if sample is None:
             continue
-        frames = [_parse_folded(f) for f in frames_text.split(";") if f]
+        process, thread, frames, count = sample
+        if process not in (None, pid):
+            if thread == process:  # a child's main thread: a DataLoader worker
+                worker_total += count
+                line_of_worker = _innermost_user(frames, roots)
+                if line_of_worker is not None:
+                    workers[line_of_worker] = workers.get(line_of_worker, 0) + count
+            continue
+        if thread != pid:
+            continue
         # innermost first: a torch.distributed frame inside the user's code is a wait in a collective;
         # one outside it (an elastic worker's @record wrapper) is not
-        user_line, in_collective = None, False
+        user_line, in_collective, loader = None, False, False
         for path, line_no, name in reversed(frames):
             if path.startswith(waiting):
                 in_collective = True
                 break
+            loader = loader or path.startswith(loading)
             if roots.is_user(path):
                 user_line = (f"{path}:{line_no}", name)
                 break
         if in_collective:
             continue  # waiting, not working
-        total += int(count_text)  # a sample without a user frame (start-up, shutdown) is named nowhere
+        total += count  # a sample without a user frame (start-up, shutdown) is named nowhere
         if user_line is not None:
-            counts[user_line] = counts.get(user_line, 0) + int(count_text)
+            counts[user_line] = counts.get(user_line, 0) + count
+            if loader:
+                in_loader[user_line] = in_loader.get(user_line, 0) + count
     if not counts:
         return {"error": "no sample of the main thread was in the user's own code", "samples": total}
-    (location, function), hits = max(counts.items(), key=lambda kv: kv[1])
-    return {"location": location, "function": function, "share": round(hits / total, 3), "samples": total}
+    hot, hits = max(counts.items(), key=lambda kv: kv[1])
+    found: dict[str, Any] = {
+        "location": hot[0],
+        "function": hot[1],
+        "share": round(hits / total, 3),
+        "samples": total,
+    }
+    if in_loader.get(hot, 0) >= LOADER_WAIT_SHARE * hits:
+        found["waits_for"] = "dataloader"
+        if workers:
+            (location, function), worker_hits = max(workers.items(), key=lambda kv: kv[1])
+            share = round(worker_hits / worker_total, 3)
+            found["worker"] = {
+                "location": location,
+                "function": function,
+                "share": share,
+                "samples": worker_total,
+            }
+    return found
+
+
+def _innermost_user(frames: list[tuple[str, str, str]], roots: CodeRoots) -> tuple[str, str] | None:
+    for path, line_no, name in reversed(frames):
+        if roots.is_user(path):
+            return f"{path}:{line_no}", name
+    return None
 
 
 def _parse_folded(frame: str) -> tuple[str, str, str]:

@@ -372,6 +372,18 @@ def verdict_for(state: RunState, finding: Finding, cause: dict[str, Any] | None)
     return _verdict(state, finding.to_dict(), cause, None)
 
 
+LOADER_ADVICE = (
+    "rank {rank} waits for its DataLoader: its data comes later than the others' (a slower disk or "
+    "network share on its node, costlier samples in its shard, fewer CPU cores free for its "
+    "workers); more num_workers, data on local storage, or cached latents take the loading off the step"
+)
+
+
+def _line_text(cause: dict[str, Any]) -> str:
+    """'file:line in function()' of a sampled hot line."""
+    return str(cause["location"]) + (f" in {cause['function']}()" if cause.get("function") else "")
+
+
 def _verdict(
     state: RunState, data: dict[str, Any], cause: dict[str, Any] | None, cause_problem: str | None
 ) -> Verdict:
@@ -399,8 +411,16 @@ def _verdict(
         cause = None
     if cause and cause.get("location"):
         location = cause["location"]
-        func = f" in {cause['function']}()" if cause.get("function") else ""
-        summary += f"; its time goes at {location}{func} ({100 * float(cause.get('share') or 0):.0f}% of its samples)"
+        summary += f"; its time goes at {_line_text(cause)} ({100 * share:.0f}% of its samples)"
+        if cause.get("waits_for") == "dataloader":
+            summary += ", waiting for its DataLoader workers"
+            worker = cause.get("worker") or {}
+            worker_share = float(worker.get("share") or 0.0)
+            if worker.get("location") and worker_share >= MIN_CAUSE_SHARE:
+                location = worker["location"]  # the line that makes the data late
+                summary += (
+                    f", whose time goes at {_line_text(worker)} ({100 * worker_share:.0f}% of their samples)"
+                )
     wait_site = data.get("wait_site")
     if wait_site:
         summary += f"; they wait for it at {wait_site}"
@@ -415,6 +435,8 @@ def _verdict(
         evidence.append(f"{data.get('steps')} steps in the window, {float(data['period']):.3f} s per step")
     if cause_problem:
         evidence.append(f"no line of the straggler's own time: {cause_problem}")
+    if cause and cause.get("waits_for") == "dataloader":
+        evidence.append(LOADER_ADVICE.format(rank=rank))
     fault = fault_of(state.ranks[rank], ("sleep",)) if rank in state.ranks else None
     if fault:
         evidence.append(
