@@ -26,15 +26,14 @@ from sddoctor.supervise.diagnose_base import (
     abnormal_exit,
     coded_warnings,
     describe_exit,
+    ended_position,
     exception_location,
     join_ranks,
     kill_signal,
     killed_by_fault,
     locate_spawned_culprits,
     lone_rank,
-    raised_position,
     raised_text,
-    signal_position,
     unclean_marked,
 )
 from sddoctor.supervise.diagnose_crash import diagnose_crash, diagnose_crash_mismatch
@@ -121,7 +120,7 @@ def place_stackless_culprits(frozen: list[Verdict], state: RunState) -> list[Ver
         ):
             placed.append(verdict)
             continue
-        ended = signal_position(rank) or raised_position(rank)
+        ended = ended_position(rank)
         if ended is None:
             placed.append(verdict)
             continue

@@ -180,7 +180,7 @@ def where_is(rank: RankState) -> tuple[str | None, str]:
         frame = rank.stack["top_user_frame"]
         func = rank.stack.get("top_user_function")
         return frame, f"its stack is at {frame}" + (f" in {func}()" if func else "")
-    ended_at = signal_position(rank) or raised_position(rank)
+    ended_at = ended_position(rank)
     if ended_at is not None:
         return ended_at
     phase = rank.snapshot.phase
@@ -194,6 +194,12 @@ def where_is(rank: RankState) -> tuple[str | None, str]:
     if phase:
         return None, f"it is in phase {phase!r}"
     return None, "no stack or collective record says where"
+
+
+def ended_position(rank: RankState) -> tuple[str, str] | None:
+    """Where a dead rank was when it ended, and how we know: where SIGTERM found it, else the line
+    of the exception that ended it (None: it left neither)."""
+    return signal_position(rank) or raised_position(rank)
 
 
 def signal_position(rank: RankState) -> tuple[str, str] | None:
