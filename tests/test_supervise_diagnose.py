@@ -262,6 +262,23 @@ def test_an_oom_kill_the_kernel_log_does_not_name_is_still_said_from_its_counter
     assert host_oom_finding(state, 4321, killed_hard=True, exception_message=None) is None
 
 
+def test_a_rank_killed_without_a_record_of_its_end_is_not_said_to_die_at_its_last_collective() -> None:
+    """SIGKILL runs no code: a rank so killed left only its last completed collective, a line it
+    had left since. The summary names it as that; a stack taken before says where it died."""
+    survivor = rank(0, alive=False, exit={"t": 10.2, "signal": 15})
+    killed = rank(1, alive=False, exit={"t": 10.0, "signal": 9}, done=call(4, caller="/u/t.py:61"))
+    state = RunState(now=20.0, started=0.0, ranks={0: survivor, 1: killed}, job_exit={"code": 1, "t": 11})
+    (v,) = diagnose(state)
+    assert (v.kind, v.culprit_rank, v.location) == ("crash", 1, "/u/t.py:61"), v
+    assert v.summary.startswith(
+        "rank 1 died first: it was killed by signal 9 (SIGKILL); "
+        "its last completed collective was all_reduce #4 at /u/t.py:61"
+    ), v.summary
+    killed.stack = {"ok": True, "top_user_frame": "/u/t.py:58", "top_user_function": "fill"}
+    (v,) = diagnose(state)
+    assert (v.location, "(SIGKILL) at /u/t.py:58;" in v.summary) == ("/u/t.py:58", True), v
+
+
 def test_a_work_the_program_left_pending_is_not_a_stall() -> None:
     """An irecv or async_op Work may stay pending on purpose (an early-stop flag polled with
     is_completed()); one DDP issued (a gradient bucket) holds the rank's step, and counts."""

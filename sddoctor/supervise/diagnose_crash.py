@@ -19,6 +19,7 @@ from sddoctor.supervise.diagnose_base import (
     death_time,
     describe_exit,
     ended_cleanly,
+    ended_position,
     exception_location,
     fault_of,
     join_ranks,
@@ -365,6 +366,17 @@ def _after_dump(state: RunState, rank: RankState, exit_info: dict[str, Any] | No
     return after if 0 <= after <= DUMP_CRASH_WINDOW else None
 
 
+def _last_known_place(rank: RankState) -> tuple[str | None, str]:
+    """A dead rank that left no line of its own end (a SIGKILL): its line and the summary's words
+    for it. A stack or its end's record says where it died ("at X"); its last completed collective
+    only where it last was, so the summary says that rather than "killed at" a line it had left."""
+    location, how = where_is(rank)
+    if location is None:
+        return None, ""
+    exact = bool(rank.stack and rank.stack.get("top_user_frame")) or ended_position(rank) is not None
+    return location, f" at {location}" if exact else f"; {how}"
+
+
 def _crash_verdict(
     state: RunState,
     rank: RankState,
@@ -380,13 +392,10 @@ def _crash_verdict(
     fault = fault_of(rank, ("kill", "raise"))
     exit_call = (exit_info or {}).get("caller") if not exc else None  # sys.exit(failure) in user code
     fatal_frame = _fatal_frame(rank)  # where a fatal signal (SIGSEGV, SIGABRT) struck
-    location = (
-        exception_location(exc, rank)
-        or (fault or {}).get("caller")
-        or exit_call
-        or fatal_frame
-        or where_is(rank)[0]
-    )
+    location = exception_location(exc, rank) or (fault or {}).get("caller") or exit_call or fatal_frame
+    place = f" at {location}" if location else ""
+    if not location:
+        location, place = _last_known_place(rank)
     step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     if killed_by_fault(fault, exit_info):
@@ -397,8 +406,7 @@ def _crash_verdict(
         if nested and nested.exception:
             how = f"raised {nested.exception[:160]}" + (f" in its {nested.source}" if nested.source else "")
     summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
-    if location:
-        summary += f" at {location}"
+    summary += place
     if same_error:
         themselves = "themselves" if len(same_error) > 1 else "itself"
         summary += f"; rank{'s' if len(same_error) > 1 else ''} {join_ranks(same_error)} raised the same "
