@@ -85,6 +85,17 @@ def test_stalls_that_resolve_are_warnings_each_kept_and_the_job_keeps_its_exit_c
         assert v["culprit_rank"] == 1 and v["location"] == script_line("# marker: stuck read", SCRIPT), v
     assert res.stdout.count("done") == 2, res.stdout
     assert not res.verdicts("straggler"), res.report["verdicts"]  # two stalls, not a straggler
+    # each stall keeps its own stacks: the first's were set aside before the second's dump
+    first, second = stalls
+    assert first["details"]["stacks_dir"] == "stacks/stall-1", first
+    assert "the stacks taken during this stall are in stacks/stall-1/" in first["evidence"], first
+    assert "stacks_dir" not in second["details"], second  # the last dump stays in stacks/
+    marker = script_line("# marker: stuck read", SCRIPT)
+    for folder in (res.run_dir / "stacks" / "stall-1", res.run_dir / "stacks"):
+        assert marker in (folder / "rank-00001.txt").read_text(), folder
+    assert (res.run_dir / "stacks" / "stall-1" / "rank-00000.txt").stat().st_mtime < (
+        res.run_dir / "stacks" / "rank-00000.txt"
+    ).stat().st_mtime
 
 
 def test_a_rank_that_leaves_by_os_exit_is_named_with_its_exit_line(runs: dict) -> None:

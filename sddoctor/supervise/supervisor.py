@@ -74,6 +74,7 @@ class Supervisor:
         self.diagnosis_failed = False  # said once (see _live_diagnosis)
         self.hang_handled_at: tuple[float | None] | None = None  # (stalled_since,) of the hang acted on
         self.stacks_problem: str | None = None
+        self.earlier_dumps = 0  # stacks/stall-N/ folders holding the stacks of stalls that resolved
         self.unjoined: list[dict[str, Any]] = []
         self.stragglers = StragglerTracker()
         self._samplers: list[threading.Thread] = []
@@ -302,6 +303,7 @@ class Supervisor:
             if "nccl" in backends and flightrec.trigger(self.job.env, sorted(alive)):
                 dump_asked_at = time.time()
             self.stacks_problem = stacks.ptrace_problem()
+            self._set_aside_earlier_stacks()
             targets: dict[Any, int] = {**alive, **{f"pid-{u['pid']}": u["pid"] for u in unjoined}}
             roots = {r: root for r in alive if (root := CodeRoots.from_dict(state.ranks[r].code_roots))}
             results = stacks.dump_stacks(
@@ -407,6 +409,29 @@ class Supervisor:
             if snapshot.get("hang_handled"):
                 return peer
         return None
+
+    def _set_aside_earlier_stacks(self) -> None:
+        """A stall that resolved left its stack files in stacks/; this stall's dump would write over
+        them. They move to stacks/stall-N/ (N counting the dumps), named in the verdicts of that
+        stall (`details.stacks_dir`), so each stall kept in the report keeps its own stacks."""
+        folder = self.opts.run_dir.stacks_dir
+        try:
+            # only py-spy's dumps (rank-*, pid-*): NCCL's flight recorder keeps its files and pipes
+            files = [p for p in folder.glob("*") if p.name.startswith(("rank-", "pid-")) and p.is_file()]
+            if not files:
+                return
+            self.earlier_dumps += 1
+            kept = folder / f"stall-{self.earlier_dumps}"
+            kept.mkdir(exist_ok=True)
+            for path in files:
+                path.rename(kept / path.name)
+        except OSError as exc:  # the new dump then writes over them, as before
+            self.say(f"could not keep the earlier stall's stacks apart ({exc})")
+            return
+        for v in self.hang_verdicts:
+            if v.details.get("resolved") and "stacks_dir" not in v.details:
+                v.details["stacks_dir"] = f"{folder.name}/{kept.name}"
+                v.evidence.append(f"the stacks taken during this stall are in {folder.name}/{kept.name}/")
 
     def _await_peer_stacks(self) -> None:
         """Before --on-hang kill with --peers: give every reached peer up to PEER_HANG_GRACE seconds
