@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-_SCHEME_KEYS = ("stdlib", "platstdlib", "purelib", "platlib")
+#: "scripts": the console scripts pip installs (torchrun, accelerate), whose frames are a launcher's
+_SCHEME_KEYS = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")
 _PACKAGE_DIRS = ("site-packages", "dist-packages")
 
 

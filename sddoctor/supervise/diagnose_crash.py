@@ -10,6 +10,7 @@ from typing import Any
 
 from sddoctor.codepaths import first_user_frame
 from sddoctor.supervise.callhistory import blocked_call
+from sddoctor.supervise.comm_errors import known_error
 from sddoctor.supervise.diagnose_base import (
     INJECTED,
     PEER_FAILURE,
@@ -151,6 +152,9 @@ def _unjoined_worker_crash(state: RunState) -> Verdict | None:
     elif first.get("spawned_at"):  # nothing says where it was: where the parent started it
         location = first["spawned_at"]
         summary += f"; it was started at {location}"
+    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
+    if common is not None:
+        summary += common.summary_clause()
     if died:
         summary += f"; rank{'s' if len(died) > 1 else ''} {join_ranks(sorted(died))} stopped as a consequence"
     culprit = index if isinstance(index, int) and index not in state.ranks else None
@@ -166,6 +170,9 @@ def _unjoined_worker_crash(state: RunState) -> Verdict | None:
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
     evidence = [f"mp.spawn reported worker {index} (pid {pid}) as the first to fail, exit code {code}"]
     evidence += [f"rank {r}: {describe_exit(rank_exit(state.ranks[r], state))}" for r in sorted(died)]
+    if common is not None:
+        evidence.append(common.advice)
+        details["known_error"] = common.to_dict()
     return Verdict("crash", "error", summary, culprit, location, details, evidence)
 
 
@@ -420,11 +427,16 @@ def _crash_verdict(
     )
     if host_oom is not None:
         summary += host_oom[0]
+    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
+    if common is not None:
+        summary += common.summary_clause()
     if consequences:
         summary += f"; rank{'s' if len(consequences) > 1 else ''} {join_ranks(consequences)} stopped as a consequence"
     evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
     if host_oom is not None:
         evidence.append(HOST_OOM_ADVICE)
+    if common is not None:
+        evidence.append(common.advice)
     traceback = exc.get("traceback") if exc else None
     if not traceback and len(state.ranks) <= 1:
         traceback = last_traceback(state.stderr_tail)
@@ -444,6 +456,8 @@ def _crash_verdict(
         details["fatal"] = rank.fatal
     if host_oom is not None:
         details["host_oom"] = host_oom[1]
+    if common is not None:
+        details["known_error"] = common.to_dict()
     if nested:
         details["origin"] = {
             "source": nested.source,
@@ -517,25 +531,28 @@ def _fatal_frame(rank: RankState) -> str | None:
 
 
 def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:
+    """The job failed and no rank said anything: what its last traceback says (often the launcher's
+    own, torchrun failing at its rendezvous before it started a rank)."""
     code = job.get("code")
-    traceback = last_traceback(state.stderr_tail)
+    frames, error = _last_traceback_parts(state.stderr_tail)
     location = None
-    frames = [f for f in traceback or [] if " in " in f]
     if frames:
         location = (first_user_frame(frames, roots_of()) or frames[-1]).split(" in ")[0]
     rank = 0 if len(state.ranks) == 1 and state.world_size in (None, 1) else None
     how = f"exited with code {code}"
     if isinstance(code, int) and code < 0:
         how = f"was killed by signal {-code} ({signal_name(-code)})"
-    return Verdict(
-        kind="crash",
-        severity="error",
-        summary=f"the job {how}" + (f" at {location}" if location else ""),
-        culprit_rank=rank,
-        location=location,
-        details={"exit": job, "traceback": traceback},
-        evidence=["no rank telemetry says more; the launcher's stderr is in the report"],
+    summary = (
+        f"the job {how}" + (f": {error[:300]}" if error else "") + (f" at {location}" if location else "")
     )
+    evidence = ["no rank telemetry says more; the launcher's stderr is in the report"]
+    details: dict[str, Any] = {"exit": job, "traceback": frames + [error] if error else frames or None}
+    common = known_error(error, state.port_holders)
+    if common is not None:
+        summary += common.summary_clause()
+        evidence.append(common.advice)
+        details["known_error"] = common.to_dict()
+    return Verdict("crash", "error", summary, rank, location, details, evidence)
 
 
 _TB_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
@@ -543,6 +560,13 @@ _TB_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
 
 def last_traceback(lines: list[str]) -> list[str] | None:
     """The last Python traceback in some stderr lines, as ["file:line in func", ..., "Type: message"]."""
+    frames, error = _last_traceback_parts(lines)
+    return frames + [error] if error else frames or None
+
+
+def _last_traceback_parts(lines: list[str]) -> tuple[list[str], str | None]:
+    """The frames ("file:line in func", outermost first) and the "Type: message" line of the last
+    Python traceback in some stderr lines (a message may hold " in ": it is no frame)."""
     start = None
     for i, line in enumerate(lines):
         if (
@@ -551,16 +575,15 @@ def last_traceback(lines: list[str]) -> list[str] | None:
         ):
             start = i
     if start is None:
-        return None
+        return [], None
     frames: list[str] = []
     for line in lines[start + 1 :]:
         m = _TB_LINE.match(line)
         if m:
             frames.append(f"{m.group(1)}:{m.group(2)} in {m.group(3)}")
         elif line and not line.startswith(" ") and frames:
-            frames.append(line.strip())
-            break
-    return frames or None
+            return frames, line.strip()
+    return frames, None
 
 
 def diagnose_crash_mismatch(state: RunState) -> Verdict | None:

@@ -37,6 +37,9 @@ def apply_facts(state: RunState, facts: dict[str, Any]) -> None:
         state.job_exit = facts["job_exit"]
     if isinstance(facts.get("host_oom"), dict):
         state.host_oom = facts["host_oom"]
+    holders = facts.get("port_holders")
+    if isinstance(holders, dict):
+        state.port_holders = {str(k): v for k, v in holders.items() if isinstance(v, dict)}
     episodes = facts.get("straggler_episodes")
     if isinstance(episodes, list):
         state.straggler_episodes = [e for e in episodes if isinstance(e, dict)]
@@ -60,7 +63,8 @@ def settle_exits(state: RunState) -> None:
     word, which has the real wait status), for the report."""
     for rank in state.ranks.values():
         if rank.exit is not None or any(
-            f.get("rank") == rank.rank and not rank.earlier_process(f.get("pid")) for f in state.launcher_failures
+            f.get("rank") == rank.rank and not rank.earlier_process(f.get("pid"))
+            for f in state.launcher_failures
         ):
             rank.exit = rank_exit(rank, state)
 

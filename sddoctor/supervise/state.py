@@ -217,6 +217,9 @@ class RunState:
     #: What the kernel's OOM killer did during the run (`host_oom.Baseline.since`): {kills, source,
     #: killed: {pid: command} or None}; None before the run ended, or when the supervisor did not say.
     host_oom: dict[str, Any] | None = None
+    #: The processes listening on the ports that port-in-use errors of the run name
+    #: (`port_holders.port_holders`): {port: {pid, name, cmdline, started_before_run}}.
+    port_holders: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Why stacks could not be taken (ptrace not permitted, py-spy missing), with the fix.
     stacks_problem: str | None = None
     flight_recorder: dict[str, Any] | None = None

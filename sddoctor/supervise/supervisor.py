@@ -24,6 +24,7 @@ from sddoctor.supervise.http import EndpointError, StateServer, get_state
 from sddoctor.supervise.lifecycle import STDERR_FILE
 from sddoctor.supervise.metrics import RunMetrics
 from sddoctor.supervise.payloads import attach_mismatches
+from sddoctor.supervise.port_holders import port_holders
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RankState, RunState, Verdict
@@ -509,6 +510,8 @@ class Supervisor:
             out["job_exit"] = {"code": self.job.exit_code, "t": self.job.exit_time}
             out["launcher_failures"] = parse_launcher_failures(tail) + self.watcher.spawn_failures()
             out["host_oom"] = self.oom_baseline.since()
+            messages = tail + [str((r.exception or {}).get("message", "")) for r in self.state.ranks.values()]
+            out["port_holders"] = port_holders(messages, self.started)
         return out
 
     def _write(self, state: RunState, *, outcome: str, exit_code: int | None) -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""The errors of rendezvous and communication that have one usual cause, and what to do about it.
+
+A rank (or the launcher itself) that dies of "address already in use", "Connection refused" or
+NCCL's "unhandled system error" prints torch's words, which name the failing call but not the
+cause a user can act on. `known_error` reads an error message and returns the cause and the fix,
+which a crash verdict adds to its evidence (`details.known_error`). Pure: no process or file is
+looked at here; who holds a taken port is found by the supervisor (`port_holders`) and passed in.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KnownError:
+    code: str
+    #: the cause and the fix, one sentence a report can show as it is
+    advice: str
+    #: the TCP port the error names, when it names one (a taken or unreachable rendezvous port)
+    port: int | None = None
+    #: the process that holds a taken port, when the supervisor found it
+    holder: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "advice": self.advice}
+        if self.port is not None:
+            out["port"] = self.port
+        if self.holder:
+            out["holder"] = self.holder
+        return out
+
+    def summary_clause(self) -> str:
+        """What the verdict's one line adds: who holds a taken port (the rest is in the advice)."""
+        if self.code != "port_in_use" or not (self.holder or {}).get("pid"):
+            return ""
+        holder = self.holder or {}
+        return f"; port {self.port} is held by pid {holder['pid']} ({_command_text(holder)[:120]})"
+
+
+_PORT_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+#: the rendezvous store's client (TCPStore) failing to reach its server; not gloo's own pair
+#: connections between ranks, whose "Connection refused" follows a peer's death
+_UNREACHABLE = re.compile(
+    r"client socket has (?:failed to connect|timed out)|TCP client failed to connect|"
+    r"network addresses of .* cannot be retrieved|Name or service not known|"
+    r"Temporary failure in name resolution",
+    re.IGNORECASE,
+)
+_DUPLICATE_GPU = re.compile(r"Duplicate GPU detected", re.IGNORECASE)
+_NCCL_SYSTEM = re.compile(r"unhandled system error|ncclSystemError", re.IGNORECASE)
+_NCCL_REMOTE = re.compile(
+    r"remote process exited or there was a network error|ncclRemoteError", re.IGNORECASE
+)
+_NCCL_VERSION = re.compile(r"NCCL version mismatch|ncclInvalidUsage.*version", re.IGNORECASE)
+#: "port: 29500" (TCPStore's own words), "[host]:29500", "127.0.0.1:29500", "localhost:29500",
+#: "connect to (host, 29500)"; not a "file.py:41" of a traceback
+_PORT = re.compile(
+    r"\bport[:= ]+(\d{2,5})\b|\]:(\d{2,5})\b|\b(?:\d{1,3}\.){3}\d{1,3}:(\d{2,5})\b|\blocalhost:(\d{2,5})\b"
+    r"|connect to \([^,()]+, (\d{2,5})\)",
+    re.IGNORECASE,
+)
+
+
+def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None = None) -> KnownError | None:
+    """The usual cause of `message` and its fix, or None when it is not one of these errors.
+    `holders`: by port, the process that listens on it ({pid, name, cmdline, started_before_run}),
+    as the supervisor found them for the ports port-in-use errors name."""
+    if not message:
+        return None
+    text = str(message)
+    port = _port_of(text)
+    if _PORT_IN_USE.search(text):
+        holder = (holders or {}).get(str(port)) if port else None
+        return KnownError("port_in_use", _port_in_use_advice(port, holder), port, holder)
+    if _DUPLICATE_GPU.search(text):
+        return KnownError(
+            "duplicate_gpu",
+            "two ranks use the same GPU: NCCL needs one GPU per rank. Call "
+            "`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))` before `init_process_group` (or pass "
+            "`device_id=`), and start no more ranks per node than it has GPUs",
+        )
+    if _NCCL_SYSTEM.search(text):
+        return KnownError(
+            "nccl_system_error",
+            "NCCL failed in a system call: most often /dev/shm is too small (in Docker: `--ipc=host` or "
+            "`--shm-size=8g`), or NCCL picked a network interface it cannot use (set NCCL_SOCKET_IFNAME). "
+            "Rerun with NCCL_DEBUG=INFO to see which call, and run `sddoctor check-nccl`",
+        )
+    if _NCCL_REMOTE.search(text):
+        return KnownError(
+            "nccl_remote_error",
+            "NCCL lost a peer: another rank exited or its network connection dropped. The peer's own "
+            "failure is the cause; if every rank was alive, run `sddoctor check-nccl` for the network",
+        )
+    if _NCCL_VERSION.search(text):
+        return KnownError(
+            "nccl_version",
+            "the ranks load different NCCL versions: install the same torch (and NCCL) on every node",
+        )
+    if _UNREACHABLE.search(text):
+        return KnownError("store_unreachable", _unreachable_advice(port), port)
+    return None
+
+
+def _command_text(holder: dict[str, Any]) -> str:
+    """The holder's command line on one line (a `python -c` program may hold newlines)."""
+    words = " ".join(str(w) for w in holder.get("cmdline") or []) or str(holder.get("name") or "?")
+    return " ".join(words.split())
+
+
+def _port_of(text: str) -> int | None:
+    match = _PORT.search(text)
+    if match is None:
+        return None
+    number = int(next(g for g in match.groups() if g))
+    return number if 0 < number < 65536 else None
+
+
+def _port_in_use_advice(port: int | None, holder: dict[str, Any] | None) -> str:
+    which = f"port {port}" if port else "the rendezvous port"
+    advice = f"{which} is already taken on this host, so the rendezvous store could not listen on it"
+    if holder and holder.get("pid"):
+        command = _command_text(holder)
+        advice += f": pid {holder['pid']} holds it ({command[:200]})"
+        if holder.get("started_before_run"):
+            advice += f", started before this run (an earlier run's rank that still lives?); stop it: `kill {holder['pid']}`"
+    else:
+        advice += " (often by a rank of an earlier run that still lives"
+        advice += f": `ss -ltnp 'sport = :{port}'` shows which)" if port else ")"
+    advice += (
+        ". Or pick another port: MASTER_PORT, `torchrun --master-port N`, or `torchrun --standalone`, "
+        "which picks a free one"
+    )
+    return advice
+
+
+def _unreachable_advice(port: int | None) -> str:
+    where = f"MASTER_ADDR:{port}" if port else "MASTER_ADDR:MASTER_PORT"
+    return (
+        f"this process could not reach the rendezvous store at {where}: rank 0 (or the node that "
+        "runs the store) was not up, or the address is not reachable from here. On several nodes "
+        "MASTER_ADDR must be an address of the first node that the others can reach (not 127.0.0.1 or "
+        "a name only that node resolves), and the port open in its firewall; `sddoctor check-nccl` "
+        "checks both"
+    )

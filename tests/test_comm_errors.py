@@ -1,0 +1,103 @@
+"""Rendezvous and communication errors with one usual cause (`sddoctor.supervise.comm_errors`): each
+read from the words torch and NCCL print, with the cause and the fix it gets."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from sddoctor.supervise.comm_errors import known_error
+from sddoctor.supervise.port_holders import port_holders, taken_ports
+
+PORT_IN_USE = (
+    "The server socket has failed to listen on any local network address. port: 29512, useIpv6: "
+    "false, code: -98, name: EADDRINUSE, message: address already in use"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "port"),
+    [
+        (PORT_IN_USE, "port_in_use", 29512),
+        ("RuntimeError: Address already in use", "port_in_use", None),
+        (
+            "The client socket has failed to connect to [localhost]:29500 (errno: 111 - Connection refused).",
+            "store_unreachable",
+            29500,
+        ),
+        (
+            "The IPv4 network addresses of (node-0, 29500) cannot be retrieved (gai error: -2 - Name or "
+            "service not known).",
+            "store_unreachable",
+            None,
+        ),
+        (
+            "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO "
+            "for details), NCCL version 2.21.5",
+            "nccl_system_error",
+            None,
+        ),
+        (
+            "ncclInvalidUsage: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000",
+            "duplicate_gpu",
+            None,
+        ),
+        (
+            "NCCL error: remote process exited or there was a network error, NCCL version 2.21.5",
+            "nccl_remote_error",
+            None,
+        ),
+    ],
+)
+def test_each_error_gets_its_cause_and_its_port(message: str, code: str, port: int | None) -> None:
+    found = known_error(message)
+    assert found is not None and (found.code, found.port) == (code, port), found
+    assert found.advice and found.to_dict()["code"] == code
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "ValueError: bad batch",
+        # a peer's death as gloo sees it: no rendezvous problem, whatever the file:line it names
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:17469",
+        "RuntimeError: expected scalar type Float at /u/train.py:41",
+        "",
+    ],
+)
+def test_other_errors_get_nothing(message: str) -> None:
+    assert known_error(message) is None
+
+
+def test_a_taken_port_names_the_process_that_listens_on_it() -> None:
+    """A real listening socket of this process: it is found and named, as started before the run."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        message = PORT_IN_USE.replace("29512", str(port))
+        assert taken_ports(["noise", message, message]) == [port]
+        holders = port_holders(["noise", message], run_started=float("inf"))
+    holder = holders[str(port)]
+    assert holder["pid"] == os.getpid() and holder["started_before_run"] is True, holder
+    found = known_error(message, holders)
+    assert found is not None and found.holder == holder
+    assert f"pid {os.getpid()} holds it" in found.advice and f"`kill {os.getpid()}`" in found.advice
+    assert found.summary_clause().startswith(f"; port {port} is held by pid {os.getpid()} (")
+    assert port_holders(["ValueError: bad batch"], run_started=0.0) == {}
+
+
+def test_torch_own_words_for_an_unreachable_store_are_read() -> None:
+    """The message this torch really raises when nothing listens on the store's port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(Exception) as raised:
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+    found = known_error(str(raised.value))
+    assert found is not None and found.code == "store_unreachable", str(raised.value)[:500]
+    assert found.port == port
