@@ -19,6 +19,15 @@ PORT_IN_USE = (
 )
 
 
+#: what torch 2.11 with NCCL 2.28.9 raised on an H100 for two ranks left on cuda:0
+#: (tests/clients/nccl_same_gpu.py, docs/run.md)
+DUPLICATE_GPU = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with "
+    "NCCL_DEBUG=WARN for details), NCCL version 2.28.9\nncclInvalidUsage: This usually reflects invalid "
+    "usage of NCCL library.\nLast error:\nDuplicate GPU detected : rank 0 and rank 1 both on CUDA device 60"
+)
+
+
 @pytest.mark.parametrize(
     ("message", "code", "port"),
     [
@@ -41,11 +50,7 @@ PORT_IN_USE = (
             "nccl_system_error",
             None,
         ),
-        (
-            "ncclInvalidUsage: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000",
-            "duplicate_gpu",
-            None,
-        ),
+        (DUPLICATE_GPU, "duplicate_gpu", None),
         (
             "NCCL error: remote process exited or there was a network error, NCCL version 2.21.5",
             "nccl_remote_error",
@@ -57,6 +62,16 @@ def test_each_error_gets_its_cause_and_its_port(message: str, code: str, port: i
     found = known_error(message)
     assert found is not None and (found.code, found.port) == (code, port), found
     assert found.advice and found.to_dict()["code"] == code
+    # the verdict's line gets the cause; a taken port's is in torch's words already, unless its holder is known
+    assert found.summary_clause() == ("" if code == "port_in_use" else f"; {found.cause}"), found
+
+
+def test_the_cause_torch_hides_behind_invalid_usage_reaches_the_verdicts_line() -> None:
+    found = known_error(DUPLICATE_GPU)
+    assert found is not None
+    assert (
+        found.summary_clause() == "; NCCL found two ranks on one GPU (no torch.cuda.set_device(LOCAL_RANK)?)"
+    )
 
 
 @pytest.mark.parametrize(

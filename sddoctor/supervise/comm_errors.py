@@ -19,6 +19,8 @@ class KnownError:
     code: str
     #: the cause and the fix, one sentence a report can show as it is
     advice: str
+    #: the cause in a few words, for the verdict's one line (torch's own words often hide it)
+    cause: str
     #: the TCP port the error names, when it names one (a taken or unreachable rendezvous port)
     port: int | None = None
     #: the process that holds a taken port, when the supervisor found it
@@ -33,11 +35,14 @@ class KnownError:
         return out
 
     def summary_clause(self) -> str:
-        """What the verdict's one line adds: who holds a taken port (the rest is in the advice)."""
-        if self.code != "port_in_use" or not (self.holder or {}).get("pid"):
-            return ""
+        """What the verdict's one line adds: the cause, and who holds a taken port (the fix is in
+        the advice)."""
         holder = self.holder or {}
-        return f"; port {self.port} is held by pid {holder['pid']} ({_command_text(holder)[:120]})"
+        if self.code == "port_in_use":  # torch's words say the port is in use; who holds it, not
+            if not holder.get("pid"):
+                return ""
+            return f"; port {self.port} is held by pid {holder['pid']} ({_command_text(holder)[:120]})"
+        return f"; {self.cause}"
 
 
 _PORT_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
@@ -74,13 +79,15 @@ def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None =
     port = _port_of(text)
     if _PORT_IN_USE.search(text):
         holder = (holders or {}).get(str(port)) if port else None
-        return KnownError("port_in_use", _port_in_use_advice(port, holder), port, holder)
+        taken = f"port {port} is taken" if port else "the rendezvous port is taken"
+        return KnownError("port_in_use", _port_in_use_advice(port, holder), taken, port, holder)
     if _DUPLICATE_GPU.search(text):
         return KnownError(
             "duplicate_gpu",
             "two ranks use the same GPU: NCCL needs one GPU per rank. Call "
             "`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))` before `init_process_group` (or pass "
             "`device_id=`), and start no more ranks per node than it has GPUs",
+            "NCCL found two ranks on one GPU (no torch.cuda.set_device(LOCAL_RANK)?)",
         )
     if _NCCL_SYSTEM.search(text):
         return KnownError(
@@ -88,20 +95,29 @@ def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None =
             "NCCL failed in a system call: most often /dev/shm is too small (in Docker: `--ipc=host` or "
             "`--shm-size=8g`), or NCCL picked a network interface it cannot use (set NCCL_SOCKET_IFNAME). "
             "Rerun with NCCL_DEBUG=INFO to see which call, and run `sddoctor check-nccl`",
+            "NCCL failed in a system call (/dev/shm too small? a network interface it cannot use?)",
         )
     if _NCCL_REMOTE.search(text):
         return KnownError(
             "nccl_remote_error",
             "NCCL lost a peer: another rank exited or its network connection dropped. The peer's own "
             "failure is the cause; if every rank was alive, run `sddoctor check-nccl` for the network",
+            "NCCL lost a peer (another rank exited, or the network dropped)",
         )
     if _NCCL_VERSION.search(text):
         return KnownError(
             "nccl_version",
             "the ranks load different NCCL versions: install the same torch (and NCCL) on every node",
+            "the ranks load different NCCL versions",
         )
     if _UNREACHABLE.search(text):
-        return KnownError("store_unreachable", _unreachable_advice(port), port)
+        where = f"MASTER_ADDR:{port}" if port else "MASTER_ADDR:MASTER_PORT"
+        return KnownError(
+            "store_unreachable",
+            _unreachable_advice(port),
+            f"the rendezvous store at {where} was unreachable",
+            port,
+        )
     return None
 
 
