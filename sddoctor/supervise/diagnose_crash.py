@@ -414,6 +414,9 @@ def _crash_verdict(
             how = f"raised {nested.exception[:160]}" + (f" in its {nested.source}" if nested.source else "")
     summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
     summary += place
+    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
+    if common is not None:  # the cause, next to the error that hides it
+        summary += common.summary_clause()
     if same_error:
         themselves = "themselves" if len(same_error) > 1 else "itself"
         summary += f"; rank{'s' if len(same_error) > 1 else ''} {join_ranks(same_error)} raised the same "
@@ -427,9 +430,6 @@ def _crash_verdict(
     )
     if host_oom is not None:
         summary += host_oom[0]
-    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
-    if common is not None:
-        summary += common.summary_clause()
     if consequences:
         summary += f"; rank{'s' if len(consequences) > 1 else ''} {join_ranks(consequences)} stopped as a consequence"
     evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
