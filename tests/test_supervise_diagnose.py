@@ -279,6 +279,27 @@ def test_a_rank_killed_without_a_record_of_its_end_is_not_said_to_die_at_its_las
     assert (v.location, "(SIGKILL) at /u/t.py:58;" in v.summary) == ("/u/t.py:58", True), v
 
 
+def test_a_restart_after_an_nccl_system_error_says_its_usual_cause() -> None:
+    """torchrun --max-restarts: the first failure was NCCL's "unhandled system error"; the
+    restarted verdict says what usually causes it and how to find out."""
+    message = "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error, NCCL version 2.21.5"
+    failed = rank(1)
+    failed.attempts = [
+        {
+            "pid": 11,
+            "exception": {"type": "DistBackendError", "message": message, "t": 5.0},
+            "exit": {"code": 1, "t": 5.1},
+        }
+    ]
+    (v,) = [v for v in diagnose(_ended(rank(0), failed)) if v.kind == "restarted"]
+    assert v.details["known_error"]["code"] == "nccl_system_error", v
+    assert v.summary.startswith(
+        "the launcher restarted the workers: on attempt 1 rank 1 raised DistBackendError"
+    ), v.summary
+    assert "; NCCL failed in a system call (/dev/shm too small?" in v.summary, v.summary
+    assert any("NCCL_SOCKET_IFNAME" in line for line in v.evidence), v.evidence
+
+
 def test_a_work_the_program_left_pending_is_not_a_stall() -> None:
     """An irecv or async_op Work may stay pending on purpose (an early-stop flag polled with
     is_completed()); one DDP issued (a gradient bucket) holds the rank's step, and counts."""

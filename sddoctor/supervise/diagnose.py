@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sddoctor.supervise.comm_errors import known_error
 from sddoctor.supervise.diagnose_base import (
     INJECTED,
     PEER_FAILURE,
@@ -205,9 +206,11 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
         how = describe_exit({"signal": kill_signal(kill)}) + INJECTED
         location = location or kill.get("caller")
     restarted = sorted(r.rank for r in state.ranks.values() if r.attempts)
+    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
     summary = (
         f"the launcher restarted the workers: on attempt {number} rank {rank.rank} {how}"
         + (f" at {location}" if location else "")
+        + (common.summary_clause() if common else "")
         + (f" (step {attempt['step']})" if attempt.get("step") is not None else "")
         + f"; rank{'s' if len(restarted) > 1 else ''} {join_ranks(restarted)} then ran in new processes"
     )
@@ -229,6 +232,9 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
     if exc:
         details["exception"] = {"type": exc.get("type"), "message": exc.get("message")}
         details["traceback"] = exc.get("traceback")
+    if common is not None:
+        details["known_error"] = common.to_dict()
+        evidence.append(common.advice)
     return [Verdict("restarted", "warning", summary, rank.rank, location, details, evidence)]
 
 
