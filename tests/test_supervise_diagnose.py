@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import sddoctor.instrument.api
 from sddoctor.supervise.diagnose import diagnose, place_stackless_culprits
@@ -298,6 +299,40 @@ def test_a_restart_after_an_nccl_system_error_says_its_usual_cause() -> None:
     ), v.summary
     assert "; NCCL failed in a system call (/dev/shm too small?" in v.summary, v.summary
     assert any("NCCL_SOCKET_IFNAME" in line for line in v.evidence), v.evidence
+
+
+TORCH_DIR = Path(torch.__file__).parent  # torch's frames are library code where torch really is
+
+
+def test_a_launcher_error_wrapping_the_cause_is_read_through_to_it() -> None:
+    """torchrun's outer RendezvousConnectionError says nothing; the error it was raised from, printed
+    above it, holds the cause. No rank ran, and no line of the user's is on the stack."""
+    tail = [
+        "Traceback (most recent call last):",
+        f'  File "{TORCH_DIR}/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 159, in _create_tcp_store',
+        "    store = TCPStore(",
+        "torch.distributed.DistNetworkError: The client socket has timed out after 60000ms while trying to "
+        "connect to (node-0, 29400).",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "",
+        "Traceback (most recent call last):",
+        f'  File "{TORCH_DIR}/distributed/run.py", line 1019, in run',
+        "    elastic_launch(",
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d "
+        "store has failed. See inner exception for details.",
+    ]
+    state = RunState(now=20.0, started=0.0, ranks={}, job_exit={"code": 1, "t": 11}, stderr_tail=tail)
+    (v,) = diagnose(state)
+    assert (v.kind, v.culprit_rank, v.location) == ("crash", None, None), v
+    assert (
+        v.details["known_error"]["code"] == "store_unreachable" and v.details["known_error"]["port"] == 29400
+    )
+    assert v.summary == (
+        "the job exited with code 1: torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: "
+        "The connection to the C10d store has failed. See inner exception for details.; the rendezvous "
+        "store at MASTER_ADDR:29400 was unreachable"
+    ), v.summary
 
 
 def test_a_work_the_program_left_pending_is_not_a_stall() -> None:

@@ -50,10 +50,12 @@ _PORT_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 #: connections between ranks, whose "Connection refused" follows a peer's death
 _UNREACHABLE = re.compile(
     r"client socket has (?:failed to connect|timed out)|TCP client failed to connect|"
+    r"connection to the C10d store has failed|"
     r"network addresses of .* cannot be retrieved|Name or service not known|"
     r"Temporary failure in name resolution",
     re.IGNORECASE,
 )
+_RENDEZVOUS_TIMEOUT = re.compile(r"RendezvousTimeoutError")
 _DUPLICATE_GPU = re.compile(r"Duplicate GPU detected", re.IGNORECASE)
 _NCCL_SYSTEM = re.compile(r"unhandled system error|ncclSystemError", re.IGNORECASE)
 _NCCL_REMOTE = re.compile(
@@ -109,6 +111,15 @@ def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None =
             "nccl_version",
             "the ranks load different NCCL versions: install the same torch (and NCCL) on every node",
             "the ranks load different NCCL versions",
+        )
+    if _RENDEZVOUS_TIMEOUT.search(text):
+        return KnownError(
+            "rendezvous_timeout",
+            "torchrun waited its rendezvous timeout (--rdzv-conf join_timeout, 600 s by default) for "
+            "the nodes of --nnodes to join, and some never did: start torchrun on every node with the "
+            "same --nnodes, --rdzv-id and --rdzv-endpoint (host:port of one node that every node can "
+            "reach); `sddoctor check-nccl` checks the network between them",
+            "not every node joined torchrun's rendezvous in time",
         )
     if _UNREACHABLE.search(text):
         where = f"MASTER_ADDR:{port}" if port else "MASTER_ADDR:MASTER_PORT"

@@ -535,9 +535,9 @@ def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:
     own, torchrun failing at its rendezvous before it started a rank)."""
     code = job.get("code")
     frames, error = _last_traceback_parts(state.stderr_tail)
-    location = None
-    if frames:
-        location = (first_user_frame(frames, roots_of()) or frames[-1]).split(" in ")[0]
+    # no user frame (torchrun failing at its rendezvous): no location, the frames stay in details
+    user_frame = first_user_frame(frames, roots_of()) if frames else None
+    location = user_frame.split(" in ")[0] if user_frame else None
     rank = 0 if len(state.ranks) == 1 and state.world_size in (None, 1) else None
     how = f"exited with code {code}"
     if isinstance(code, int) and code < 0:
@@ -547,12 +547,30 @@ def _job_only_crash(state: RunState, job: dict[str, Any]) -> Verdict:
     )
     evidence = ["no rank telemetry says more; the launcher's stderr is in the report"]
     details: dict[str, Any] = {"exit": job, "traceback": frames + [error] if error else frames or None}
-    common = known_error(error, state.port_holders)
+    # the launcher's outer error ("The connection to the C10d store has failed") often wraps the
+    # one with the cause, printed above it: the innermost known one says most (the port, the host)
+    causes = (known_error(m, state.port_holders) for m in [*_chained_errors(state.stderr_tail), error])
+    common = next((c for c in causes if c is not None), None)
     if common is not None:
         summary += common.summary_clause()
         evidence.append(common.advice)
         details["known_error"] = common.to_dict()
     return Verdict("crash", "error", summary, rank, location, details, evidence)
+
+
+_CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+
+
+def _chained_errors(lines: list[str]) -> list[str]:
+    """The "Type: message" lines of the exceptions a later one was raised from or while handling,
+    innermost first: each is the last unindented line before Python's words that chain them."""
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith(_CHAINED):
+            before = next((x for x in reversed(lines[:i]) if x.strip() and not x.startswith(" ")), None)
+            if before is not None:
+                found.append(before.strip())
+    return found
 
 
 _TB_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
