@@ -301,6 +301,19 @@ def test_a_restart_after_an_nccl_system_error_says_its_usual_cause() -> None:
     assert any("NCCL_SOCKET_IFNAME" in line for line in v.evidence), v.evidence
 
 
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_stuck_nccl_collective_says_what_usually_holds_it(backend: str) -> None:
+    """Every rank inside the same all-reduce: on NCCL, the usual P2P causes and how to tell them;
+    gloo has no P2P, so no such advice."""
+    ranks = [rank(r, inflight=[call(7)]) for r in (0, 1)]
+    for r in ranks:
+        r.state["backend"] = backend  # as the rank's state file says it
+    (v,) = diagnose(hung(*ranks))
+    assert v.kind == "hang.comm", v
+    advice = [line for line in v.evidence if "NCCL_P2P_DISABLE=1" in line]
+    assert len(advice) == (1 if backend == "nccl" else 0), v.evidence
+
+
 TORCH_DIR = Path(torch.__file__).parent  # torch's frames are library code where torch really is
 
 

@@ -198,7 +198,20 @@ def classify_hang(state: RunState) -> list[Verdict]:
         f"hang: all {len(main.waiters)} ranks wait inside {main.where()} for {stalled:.0f} s with matching "
         "op and shapes: the communication itself is stuck; run `sddoctor check-nccl`"
     )
+    if any(r.snapshot.backend == "nccl" for r in state.ranks.values()):
+        evidence.append(NCCL_STUCK_ADVICE)
     return [Verdict("hang.comm", "error", summary, None, main.call.caller, details, evidence)]
+
+
+#: what usually holds an NCCL collective that every rank entered with the same call (check-nccl
+#: checks each of these on the machine: docs/check-nccl.md)
+NCCL_STUCK_ADVICE = (
+    "an NCCL collective that every rank entered and none leaves is most often peer-to-peer traffic "
+    "between GPUs over PCIe: ACS enabled on the PCIe bridges, an IOMMU translating DMA, or GeForce "
+    "RTX 4090/5090 cards. `sddoctor check-nccl` checks each; rerunning with NCCL_P2P_DISABLE=1 tells: "
+    "if the job then runs, P2P was the cause. Across nodes: the wrong network interface "
+    "(NCCL_SOCKET_IFNAME) or a broken InfiniBand path (NCCL_IB_DISABLE=1 to tell)"
+)
 
 
 def _blocked_calls(state: RunState) -> dict[int, Collective]:
