@@ -314,6 +314,25 @@ def test_a_stuck_nccl_collective_says_what_usually_holds_it(backend: str) -> Non
     assert len(advice) == (1 if backend == "nccl" else 0), v.evidence
 
 
+def test_a_rendezvous_that_cannot_complete_names_the_store_a_rank_cannot_reach() -> None:
+    """Every rank waits in init_process_group; torch logged a store client's failed tries (the
+    line as torch 2.13 printed it when rank 1 was given a wrong MASTER_ADDR): the address is named."""
+    ranks = [rank(r) for r in (0, 1)]
+    for r in ranks:
+        r.state["waiting"] = {"what": "init_process_group", "since": 901.0, "caller": "/u/job.py:9"}
+    tried = (
+        "[W1206 19:00:29.310263554 TCPStore.cpp:340] [c10d] TCP client failed to connect/validate to host "
+        "10.255.255.1:29571 - retrying (try=7, timeout=120000ms, delay=12576ms): Ping failed"
+    )
+    state = hung(*ranks, stderr_tail=["noise", tried, "frame #4: c10d::TCPStore::TCPStore(...)"])
+    state.startup_timeout = 15.0
+    (v,) = diagnose(state)
+    assert (v.kind, v.culprit_rank) == ("hang.startup", None), v
+    assert v.details["known_error"]["code"] == "store_unreachable", v.details
+    assert f"the job's output says: {tried}" in v.evidence, v.evidence
+    assert any("the rendezvous store at 10.255.255.1:29571" in line for line in v.evidence), v.evidence
+
+
 TORCH_DIR = Path(torch.__file__).parent  # torch's frames are library code where torch really is
 
 
@@ -344,7 +363,7 @@ def test_a_launcher_error_wrapping_the_cause_is_read_through_to_it() -> None:
     assert v.summary == (
         "the job exited with code 1: torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: "
         "The connection to the C10d store has failed. See inner exception for details.; the rendezvous "
-        "store at MASTER_ADDR:29400 was unreachable"
+        "store at node-0:29400 was unreachable"
     ), v.summary
 
 

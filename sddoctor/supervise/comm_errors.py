@@ -122,14 +122,27 @@ def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None =
             "not every node joined torchrun's rendezvous in time",
         )
     if _UNREACHABLE.search(text):
-        where = f"MASTER_ADDR:{port}" if port else "MASTER_ADDR:MASTER_PORT"
+        where = _store_address(text, port)
         return KnownError(
             "store_unreachable",
-            _unreachable_advice(port),
+            _unreachable_advice(where),
             f"the rendezvous store at {where} was unreachable",
             port,
         )
     return None
+
+
+#: the host a store client tried, as torch names it: "to host 10.0.0.1:29500", "connect to
+#: (node-0, 29500)", "connect to [node-0]:29500"
+_HOST = re.compile(r"to host ([^\s:\[\]]+):\d|connect to \(([^,()]+), \d|connect to \[([^\]]+)\]:\d")
+
+
+def _store_address(text: str, port: int | None) -> str:
+    """host:port of the store a client could not reach, MASTER_ADDR/MASTER_PORT for what the
+    message does not name."""
+    match = _HOST.search(text)
+    host = next((g for g in match.groups() if g), None) if match else None
+    return f"{host or 'MASTER_ADDR'}:{port or 'MASTER_PORT'}"
 
 
 def _command_text(holder: dict[str, Any]) -> str:
@@ -164,10 +177,9 @@ def _port_in_use_advice(port: int | None, holder: dict[str, Any] | None) -> str:
     return advice
 
 
-def _unreachable_advice(port: int | None) -> str:
-    where = f"MASTER_ADDR:{port}" if port else "MASTER_ADDR:MASTER_PORT"
+def _unreachable_advice(where: str) -> str:
     return (
-        f"this process could not reach the rendezvous store at {where}: rank 0 (or the node that "
+        f"a process could not reach the rendezvous store at {where}: rank 0 (or the node that "
         "runs the store) was not up, or the address is not reachable from here. On several nodes "
         "MASTER_ADDR must be an address of the first node that the others can reach (not 127.0.0.1 or "
         "a name only that node resolves), and the port open in its firewall; `sddoctor check-nccl` "

@@ -22,6 +22,7 @@ from sddoctor.supervise.callhistory import (
     site_of,
     site_text,
 )
+from sddoctor.supervise.comm_errors import KnownError, known_error
 from sddoctor.supervise.diagnose_base import (
     asleep_text,
     coded_warnings,
@@ -696,7 +697,22 @@ def _startup_hang(
         "(check MASTER_ADDR/MASTER_PORT or the rendezvous endpoint, a firewall, the world size, a node "
         "that never started); run `sddoctor check-nccl`"
     )
+    said = _rendezvous_trouble(state.stderr_tail)
+    if said is not None:  # torch logs each failed try of a store client: the address it cannot reach
+        line, found = said
+        details["known_error"] = found.to_dict()
+        evidence = [*evidence, f"the job's output says: {line[:300]}", found.advice]
     return Verdict("hang.startup", "error", summary, None, caller, details, evidence)
+
+
+def _rendezvous_trouble(lines: list[str]) -> tuple[str, KnownError] | None:
+    """The last line of the job's output that says why a rendezvous cannot complete (a store
+    client's failed connection try, a taken port), with its cause and fix."""
+    for line in reversed(lines):
+        found = known_error(line)
+        if found is not None and found.code in ("store_unreachable", "port_in_use", "rendezvous_timeout"):
+            return line.strip(), found
+    return None
 
 
 def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list[int]:
