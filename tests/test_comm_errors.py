@@ -52,6 +52,13 @@ DUPLICATE_GPU = (
         ),
         (DUPLICATE_GPU, "duplicate_gpu", None),
         (
+            "CUDA error: invalid device ordinal\nGPU device may be out of range, do you have enough GPUs?\n"
+            "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+            "invalid_device",
+            None,
+        ),
+        ("No CUDA GPUs are available", "no_gpu", None),
+        (
             "NCCL error: remote process exited or there was a network error, NCCL version 2.21.5",
             "nccl_remote_error",
             None,

@@ -1,4 +1,4 @@
-"""The errors of rendezvous and communication that have one usual cause, and what to do about it.
+"""The errors of rendezvous, communication and GPU set-up that have one usual cause, and what to do.
 
 A rank (or the launcher itself) that dies of "address already in use", "Connection refused" or
 NCCL's "unhandled system error" prints torch's words, which name the failing call but not the
@@ -56,6 +56,8 @@ _UNREACHABLE = re.compile(
     re.IGNORECASE,
 )
 _RENDEZVOUS_TIMEOUT = re.compile(r"RendezvousTimeoutError")
+_INVALID_DEVICE = re.compile(r"invalid device ordinal|CUDA_ERROR_INVALID_DEVICE", re.IGNORECASE)
+_NO_GPU = re.compile(r"no CUDA GPUs are available|Found no NVIDIA driver", re.IGNORECASE)
 _DUPLICATE_GPU = re.compile(r"Duplicate GPU detected", re.IGNORECASE)
 _NCCL_SYSTEM = re.compile(r"unhandled system error|ncclSystemError", re.IGNORECASE)
 _NCCL_REMOTE = re.compile(
@@ -90,6 +92,23 @@ def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None =
             "`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))` before `init_process_group` (or pass "
             "`device_id=`), and start no more ranks per node than it has GPUs",
             "NCCL found two ranks on one GPU (no torch.cuda.set_device(LOCAL_RANK)?)",
+        )
+    if _INVALID_DEVICE.search(text):
+        return KnownError(
+            "invalid_device",
+            "`torch.cuda.set_device(LOCAL_RANK)` (or `cuda:N`) needs N < torch.cuda.device_count(): start "
+            "no more ranks per node (`--nproc-per-node`, `--num_processes`) than the GPUs visible to them "
+            "(CUDA_VISIBLE_DEVICES limits them), and use LOCAL_RANK, not RANK, for the device on several "
+            "nodes",
+            "it asked for a GPU this node does not show (more ranks per node than visible GPUs?)",
+        )
+    if _NO_GPU.search(text):
+        return KnownError(
+            "no_gpu",
+            "the process sees no GPU: CUDA_VISIBLE_DEVICES is empty or names no GPU of this node, or (in a "
+            "container) the driver is not passed in (`docker run --gpus all`); `nvidia-smi` in the same "
+            "environment shows what it can see",
+            "it sees no GPU (CUDA_VISIBLE_DEVICES? the container's --gpus?)",
         )
     if _NCCL_SYSTEM.search(text):
         return KnownError(
