@@ -95,6 +95,16 @@ def test_other_errors_get_nothing(message: str) -> None:
     assert known_error(message) is None
 
 
+def test_a_taken_port_of_the_programs_own_server_is_not_called_the_rendezvous() -> None:
+    """A rank's own HTTP server (a metrics exporter) failing to bind: the port is named, the
+    rendezvous advice is not given."""
+    found = known_error("OSError: [Errno 98] Address already in use (port 6006)")
+    assert found is not None and (found.code, found.port) == ("port_in_use", 6006), found
+    assert "rendezvous" not in found.advice and "MASTER_PORT" not in found.advice, found.advice
+    store = known_error(PORT_IN_USE)
+    assert store is not None and "the rendezvous store could not listen on it" in store.advice
+
+
 def test_a_taken_port_names_the_process_that_listens_on_it() -> None:
     """A real listening socket of this process: it is found and named, as started before the run."""
     with socket.socket() as listener:

@@ -84,7 +84,8 @@ def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None =
     if _PORT_IN_USE.search(text):
         holder = (holders or {}).get(str(port)) if port else None
         taken = f"port {port} is taken" if port else "the rendezvous port is taken"
-        return KnownError("port_in_use", _port_in_use_advice(port, holder), taken, port, holder)
+        store = bool(_STORE_WORDS.search(text))
+        return KnownError("port_in_use", _port_in_use_advice(port, holder, store), taken, port, holder)
     if _DUPLICATE_GPU.search(text):
         return KnownError(
             "duplicate_gpu",
@@ -178,9 +179,17 @@ def _port_of(text: str) -> int | None:
     return number if 0 < number < 65536 else None
 
 
-def _port_in_use_advice(port: int | None, holder: dict[str, Any] | None) -> str:
-    which = f"port {port}" if port else "the rendezvous port"
-    advice = f"{which} is already taken on this host, so the rendezvous store could not listen on it"
+#: a port-in-use error of torch's rendezvous store, not of a server of the program's own
+_STORE_WORDS = re.compile(
+    r"server socket|TCPStore|c10d|DistNetworkError|rendezvous|MASTER_PORT", re.IGNORECASE
+)
+
+
+def _port_in_use_advice(port: int | None, holder: dict[str, Any] | None, store: bool) -> str:
+    which = f"port {port}" if port else "the port"
+    advice = f"{which} is already taken on this host"
+    if store:
+        advice += ", so the rendezvous store could not listen on it"
     if holder and holder.get("pid"):
         command = _command_text(holder)
         advice += f": pid {holder['pid']} holds it ({command[:200]})"
@@ -189,10 +198,13 @@ def _port_in_use_advice(port: int | None, holder: dict[str, Any] | None) -> str:
     else:
         advice += " (often by a rank of an earlier run that still lives"
         advice += f": `ss -ltnp 'sport = :{port}'` shows which)" if port else ")"
-    advice += (
-        ". Or pick another port: MASTER_PORT, `torchrun --master-port N`, or `torchrun --standalone`, "
-        "which picks a free one"
-    )
+    if store:
+        advice += (
+            ". Or pick another port: MASTER_PORT, `torchrun --master-port N`, or `torchrun --standalone`, "
+            "which picks a free one"
+        )
+    else:
+        advice += ". Or give the server that failed another port"
     return advice
 
 
