@@ -142,3 +142,34 @@ def _run_rank_script(script: str, run_dir: Path) -> subprocess.CompletedProcess[
         text=True,
         timeout=60,
     )
+
+
+def test_sigterms_second_reader_waits_until_the_exit_event_is_on_disk(tmp_path: Path) -> None:
+    """SIGTERM reaches the watcher thread and the main thread's handler alike. The watcher's write of
+    the exit event can still be under way when the handler, finding it claimed, would re-raise
+    SIGTERM and end the process: the handler must wait for it (a rank asleep when torchrun stopped it
+    was once left with no exit event and no line)."""
+    import threading
+
+    from sddoctor.instrument.api import RankSession
+    from sddoctor.telemetry.layout import RunDir
+    from sddoctor.telemetry.reader import read_events
+
+    class SlowHeartbeat:  # the watcher's write takes a while: the collectives' last second first
+        def flush_now(self) -> None:
+            time.sleep(0.6)
+
+        def close(self) -> None:
+            pass
+
+    session = RankSession(RunDir(tmp_path), 0, 0, 1, [])
+    session.heartbeat = SlowHeartbeat()
+    watcher = threading.Thread(target=session.exit_now, args=("signal", 143))
+    watcher.start()
+    time.sleep(0.1)  # the watcher is inside its write now
+    session.exit_now("signal", 143)  # the main thread's handler; the process would die right after
+    exits = read_events(tmp_path / "ranks" / "rank-00000.jsonl", {"exit"})
+    assert [(e["status"], e["code"]) for e in exits] == [("signal", 143)], exits
+    watcher.join()
+    session.close()
+    assert len(read_events(tmp_path / "ranks" / "rank-00000.jsonl", {"exit"})) == 1

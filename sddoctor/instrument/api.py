@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,11 @@ class RankSession:
         self._fired: set[str] = set()
         self._exit: tuple[str, int | None] | None = None
         self._exit_written = False
+        # SIGTERM reaches both the watcher thread and the main thread's handler: the one that did not
+        # write the exit event waits until it is on disk, so that neither ends the process before
+        self._exit_claim = threading.RLock()
+        self._exit_writer: int | None = None
+        self._exit_done = threading.Event()
         self._exit_call: str | None = None  # where sys.exit(status != 0) was called
         self._signal_position: dict[str, Any] = {}  # where the main thread was when SIGTERM came
         self._uncaught_recorded = False
@@ -249,17 +255,36 @@ class RankSession:
         self.mark_exit(status, code)
         if not self.rank_known:
             self._settle_rank()
-        if self._exit_written:
+        if not self._claim_exit():
             return
-        self._exit_written = True
-        if self.heartbeat is not None:
-            self.heartbeat.flush_now()  # the last second of collectives, before the exit event
-        status, code = self._exit  # type: ignore[misc]
-        self.writer.emit(
-            EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields()
-        )
-        self.writer.update_state(status="exited")
-        self.writer.flush(timeout=EXIT_FLUSH_TIMEOUT)
+        try:
+            if self.heartbeat is not None:
+                self.heartbeat.flush_now()  # the last second of collectives, before the exit event
+            status, code = self._exit  # type: ignore[misc]
+            self.writer.emit(
+                EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields()
+            )
+            self.writer.update_state(status="exited")
+            self.writer.flush(timeout=EXIT_FLUSH_TIMEOUT)
+        finally:
+            self._exit_done.set()
+
+    def _claim_exit(self) -> bool:
+        """True for the one caller that writes the exit event. Another thread waits (bounded) until
+        that write is done; the writing thread itself, re-entered by a signal handler, does not."""
+        me = threading.get_ident()
+        # reentrant and bounded: a signal handler may run on this thread inside the lines it guards
+        got = self._exit_claim.acquire(timeout=1.0)
+        try:
+            if not self._exit_written:
+                self._exit_written, self._exit_writer = True, me
+                return True
+        finally:
+            if got:
+                self._exit_claim.release()
+        if self._exit_writer != me:
+            self._exit_done.wait(EXIT_FLUSH_TIMEOUT + 1.0)
+        return False
 
     def set_rank(self, rank: int, world_size: int | None = None) -> None:
         """Learn the global rank once the process group knows it (events move to the right file)."""
@@ -398,13 +423,17 @@ class RankSession:
             self._settle_rank()  # a single process that never reported a step
         if self.heartbeat is not None:
             self.heartbeat.close()
-        if not self._exit_written:
-            self._exit_written = True
+        claimed = self._claim_exit()
+        if claimed:
             self.writer.emit(
                 EventKind.EXIT, status=status, code=code, step=self.current_step, **self._exit_fields()
             )
             self.writer.update_state(status="exited")
-        self.writer.close()
+        try:
+            self.writer.close()
+        finally:
+            if claimed:
+                self._exit_done.set()
 
 
 _session: RankSession | None = None
