@@ -1,7 +1,7 @@
 """The errors of rendezvous, communication and GPU set-up that have one usual cause, and what to do.
 
-A rank (or the launcher itself) that dies of "address already in use", "Connection refused" or
-NCCL's "unhandled system error" prints torch's words, which name the failing call but not the
+A rank (or the launcher itself) that dies of "address already in use", a store client's "failed to
+connect" or NCCL's "invalid usage" prints torch's words, which name the failing call but not the
 cause a user can act on. `known_error` reads an error message and returns the cause and the fix,
 which a crash verdict adds to its evidence (`details.known_error`). Pure: no process or file is
 looked at here; who holds a taken port is found by the supervisor (`port_holders`) and passed in.
@@ -86,70 +86,75 @@ def known_error(message: str | None, holders: dict[str, dict[str, Any]] | None =
         taken = f"port {port} is taken" if port else "the rendezvous port is taken"
         store = bool(_STORE_WORDS.search(text))
         return KnownError("port_in_use", _port_in_use_advice(port, holder, store), taken, port, holder)
-    if _DUPLICATE_GPU.search(text):
-        return KnownError(
-            "duplicate_gpu",
-            "two ranks use the same GPU: NCCL needs one GPU per rank. Call "
-            "`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))` before `init_process_group` (or pass "
-            "`device_id=`), and start no more ranks per node than it has GPUs",
-            "NCCL found two ranks on one GPU (no torch.cuda.set_device(LOCAL_RANK)?)",
-        )
-    if _INVALID_DEVICE.search(text):
-        return KnownError(
-            "invalid_device",
-            "`torch.cuda.set_device(LOCAL_RANK)` (or `cuda:N`) needs N < torch.cuda.device_count(): start "
-            "no more ranks per node (`--nproc-per-node`, `--num_processes`) than the GPUs visible to them "
-            "(CUDA_VISIBLE_DEVICES limits them), and use LOCAL_RANK, not RANK, for the device on several "
-            "nodes",
-            "it asked for a GPU this node does not show (more ranks per node than visible GPUs?)",
-        )
-    if _NO_GPU.search(text):
-        return KnownError(
-            "no_gpu",
-            "the process sees no GPU: CUDA_VISIBLE_DEVICES is empty or names no GPU of this node, or (in a "
-            "container) the driver is not passed in (`docker run --gpus all`); `nvidia-smi` in the same "
-            "environment shows what it can see",
-            "it sees no GPU (CUDA_VISIBLE_DEVICES? the container's --gpus?)",
-        )
-    if _NCCL_SYSTEM.search(text):
-        return KnownError(
-            "nccl_system_error",
-            "NCCL failed in a system call: most often /dev/shm is too small (in Docker: `--ipc=host` or "
-            "`--shm-size=8g`), or NCCL picked a network interface it cannot use (set NCCL_SOCKET_IFNAME). "
-            "Rerun with NCCL_DEBUG=INFO to see which call, and run `sddoctor check-nccl`",
-            "NCCL failed in a system call (/dev/shm too small? a network interface it cannot use?)",
-        )
-    if _NCCL_REMOTE.search(text):
-        return KnownError(
-            "nccl_remote_error",
-            "NCCL lost a peer: another rank exited or its network connection dropped. The peer's own "
-            "failure is the cause; if every rank was alive, run `sddoctor check-nccl` for the network",
-            "NCCL lost a peer (another rank exited, or the network dropped)",
-        )
-    if _NCCL_VERSION.search(text):
-        return KnownError(
-            "nccl_version",
-            "the ranks load different NCCL versions: install the same torch (and NCCL) on every node",
-            "the ranks load different NCCL versions",
-        )
-    if _RENDEZVOUS_TIMEOUT.search(text):
-        return KnownError(
-            "rendezvous_timeout",
-            "torchrun waited its rendezvous timeout (--rdzv-conf join_timeout, 600 s by default) for "
-            "the nodes of --nnodes to join, and some never did: start torchrun on every node with the "
-            "same --nnodes, --rdzv-id and --rdzv-endpoint (host:port of one node that every node can "
-            "reach); `sddoctor check-nccl` checks the network between them",
-            "not every node joined torchrun's rendezvous in time",
-        )
+    for pattern, code, advice, cause in _FIXED:
+        if pattern.search(text):
+            return KnownError(code, advice, cause)
     if _UNREACHABLE.search(text):
         where = _store_address(text, port)
-        return KnownError(
-            "store_unreachable",
-            _unreachable_advice(where),
-            f"the rendezvous store at {where} was unreachable",
-            port,
-        )
+        cause = f"the rendezvous store at {where} was unreachable"
+        return KnownError("store_unreachable", _unreachable_advice(where), cause, port)
     return None
+
+
+#: (words, code, advice, cause) of the errors whose advice does not depend on the message, in the
+#: order they are tried (the GPU set-up errors before NCCL's own, which may wrap them)
+_FIXED: tuple[tuple[re.Pattern[str], str, str, str], ...] = (
+    (
+        _DUPLICATE_GPU,
+        "duplicate_gpu",
+        "two ranks use the same GPU: NCCL needs one GPU per rank. Call "
+        "`torch.cuda.set_device(int(os.environ['LOCAL_RANK']))` before `init_process_group` (or pass "
+        "`device_id=`), and start no more ranks per node than it has GPUs",
+        "NCCL found two ranks on one GPU (no torch.cuda.set_device(LOCAL_RANK)?)",
+    ),
+    (
+        _INVALID_DEVICE,
+        "invalid_device",
+        "`torch.cuda.set_device(LOCAL_RANK)` (or `cuda:N`) needs N < torch.cuda.device_count(): start "
+        "no more ranks per node (`--nproc-per-node`, `--num_processes`) than the GPUs visible to them "
+        "(CUDA_VISIBLE_DEVICES limits them), and use LOCAL_RANK, not RANK, for the device on several "
+        "nodes",
+        "it asked for a GPU this node does not show (more ranks per node than visible GPUs?)",
+    ),
+    (
+        _NO_GPU,
+        "no_gpu",
+        "the process sees no GPU: CUDA_VISIBLE_DEVICES is empty or names no GPU of this node, or (in a "
+        "container) the driver is not passed in (`docker run --gpus all`); `nvidia-smi` in the same "
+        "environment shows what it can see",
+        "it sees no GPU (CUDA_VISIBLE_DEVICES? the container's --gpus?)",
+    ),
+    (
+        _NCCL_SYSTEM,
+        "nccl_system_error",
+        "NCCL failed in a system call: most often /dev/shm is too small (in Docker: `--ipc=host` or "
+        "`--shm-size=8g`), or NCCL picked a network interface it cannot use (set NCCL_SOCKET_IFNAME). "
+        "Rerun with NCCL_DEBUG=INFO to see which call, and run `sddoctor check-nccl`",
+        "NCCL failed in a system call (/dev/shm too small? a network interface it cannot use?)",
+    ),
+    (
+        _NCCL_REMOTE,
+        "nccl_remote_error",
+        "NCCL lost a peer: another rank exited or its network connection dropped. The peer's own "
+        "failure is the cause; if every rank was alive, run `sddoctor check-nccl` for the network",
+        "NCCL lost a peer (another rank exited, or the network dropped)",
+    ),
+    (
+        _NCCL_VERSION,
+        "nccl_version",
+        "the ranks load different NCCL versions: install the same torch (and NCCL) on every node",
+        "the ranks load different NCCL versions",
+    ),
+    (
+        _RENDEZVOUS_TIMEOUT,
+        "rendezvous_timeout",
+        "torchrun waited its rendezvous timeout (--rdzv-conf join_timeout, 600 s by default) for "
+        "the nodes of --nnodes to join, and some never did: start torchrun on every node with the "
+        "same --nnodes, --rdzv-id and --rdzv-endpoint (host:port of one node that every node can "
+        "reach); `sddoctor check-nccl` checks the network between them",
+        "not every node joined torchrun's rendezvous in time",
+    ),
+)
 
 
 #: the host a store client tried, as torch names it: "to host 10.0.0.1:29500", "connect to
