@@ -173,3 +173,33 @@ def test_sigterms_second_reader_waits_until_the_exit_event_is_on_disk(tmp_path: 
     watcher.join()
     session.close()
     assert len(read_events(tmp_path / "ranks" / "rank-00000.jsonl", {"exit"})) == 1
+
+
+def test_the_watcher_takes_the_frame_sigterms_handler_interrupted_not_the_handlers_own(monkeypatch) -> None:
+    """The watcher thread reads the main thread's frame for the SIGTERM position. When the main
+    thread is already inside sddoctor's handler (walking its own stack), the position is the frame
+    the handler interrupted: a CI run once recorded linecache's line as the rank's stack."""
+    import threading
+
+    from sddoctor.instrument import exit_hooks
+
+    seen: list = []
+    inside = threading.Event()
+
+    def handler(signum, frame):  # stands for on_sigterm: the watcher runs while it is busy
+        inside.set()
+        reader.join(5)
+
+    def read_main_frame() -> None:
+        inside.wait(5)
+        seen.append(exit_hooks._main_thread_frame())
+
+    monkeypatch.setitem(exit_hooks._installed, "sigterm", handler)
+    reader = threading.Thread(target=read_main_frame)
+    reader.start()
+    interrupted = sys._getframe()
+    handler(15, interrupted)  # the interrupted frame is this test's own
+    assert seen and seen[0] is interrupted, seen
+    assert exit_hooks.frame_position(seen[0])["at_function"] == (
+        "test_the_watcher_takes_the_frame_sigterms_handler_interrupted_not_the_handlers_own"
+    )

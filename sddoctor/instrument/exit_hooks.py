@@ -92,7 +92,16 @@ def frame_position(frame: Any) -> dict[str, Any]:
 
 
 def _main_thread_frame() -> Any:
-    return sys._current_frames().get(threading.main_thread().ident or -1)
+    """The main thread's current frame; when the main thread is already running sddoctor's SIGTERM
+    handler, the frame that handler interrupted (the handler's own frames are not the rank's)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    handler = getattr(_installed.get("sigterm"), "__code__", None)
+    walk = frame
+    while walk is not None and handler is not None:
+        if walk.f_code is handler:
+            return walk.f_back
+        walk = walk.f_back
+    return frame
 
 
 def _note_signal_position(frame: Any) -> None:
