@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sddoctor.supervise.comm_errors import known_error
 from sddoctor.supervise.diagnose_base import (
     INJECTED,
     PEER_FAILURE,
@@ -28,6 +27,7 @@ from sddoctor.supervise.diagnose_base import (
     coded_warnings,
     describe_exit,
     ended_position,
+    exception_known_error,
     exception_location,
     join_ranks,
     kill_signal,
@@ -206,7 +206,7 @@ def diagnose_restarts(state: RunState) -> list[Verdict]:
         how = describe_exit({"signal": kill_signal(kill)}) + INJECTED
         location = location or kill.get("caller")
     restarted = sorted(r.rank for r in state.ranks.values() if r.attempts)
-    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
+    common = exception_known_error(state, exc)
     summary = (
         f"the launcher restarted the workers: on attempt {number} rank {rank.rank} {how}"
         + (f" at {location}" if location else "")

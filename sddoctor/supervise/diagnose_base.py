@@ -11,6 +11,7 @@ from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
 from sddoctor.instrument.faults import FaultSpecError, parse_faults
+from sddoctor.supervise.comm_errors import KnownError, known_error
 from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import RankState, RunState, Verdict
 
@@ -307,3 +308,9 @@ def coded_warnings(state: RunState, code: str) -> list[tuple[int, dict[str, Any]
 
 def join_ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+def exception_known_error(state: RunState, exc: dict[str, Any] | None) -> KnownError | None:
+    """The usual cause of a recorded exception (`comm_errors.known_error`), with the holders of the
+    ports the run's port-in-use errors named."""
+    return known_error(str(exc.get("message", "")), state.port_holders) if exc else None

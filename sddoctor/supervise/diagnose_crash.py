@@ -21,6 +21,7 @@ from sddoctor.supervise.diagnose_base import (
     describe_exit,
     ended_cleanly,
     ended_position,
+    exception_known_error,
     exception_location,
     fault_of,
     join_ranks,
@@ -152,7 +153,7 @@ def _unjoined_worker_crash(state: RunState) -> Verdict | None:
     elif first.get("spawned_at"):  # nothing says where it was: where the parent started it
         location = first["spawned_at"]
         summary += f"; it was started at {location}"
-    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
+    common = exception_known_error(state, exc)
     if common is not None:
         summary += common.summary_clause()
     if died:
@@ -414,7 +415,7 @@ def _crash_verdict(
             how = f"raised {nested.exception[:160]}" + (f" in its {nested.source}" if nested.source else "")
     summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
     summary += place
-    common = known_error(str(exc.get("message", "")), state.port_holders) if exc else None
+    common = exception_known_error(state, exc)
     if common is not None:  # the cause, next to the error that hides it
         summary += common.summary_clause()
     if same_error:
