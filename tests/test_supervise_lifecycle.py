@@ -219,3 +219,23 @@ def test_a_process_no_parent_watches_stops_itself_through_the_lease(tmp_path):
     assert ready.exists()
     took = _assert_all_gone_within(procs, 10.0)
     print(f"detached worker gone {took:.2f} s after SIGKILL of the supervisor")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_hang_kill_lets_a_ranks_own_sigterm_handler_finish_its_checkpoint(tmp_path):
+    # Rank 1 stops in Python and hangs the job; --on-hang kill sends SIGTERM, and rank 1's handler
+    # takes 4 s to save. The stop must wait for it (a SIGKILL would leave a half-written file).
+    from client_fixtures import CLIENTS
+    from supervise_fixtures import run_supervised
+
+    res = run_supervised(
+        tmp_path,
+        torchrun(2, "--standalone", str(CLIENTS / "save_on_sigterm.py")),
+        options=("--hang-timeout", "4", "--on-hang", "kill"),
+        env={"STALL": "1", "OMP_NUM_THREADS": "1", "CHECKPOINT_DIR": str(tmp_path)},
+    )
+    assert res.returncode == 124, res.stderr
+    assert (tmp_path / "checkpoint-1.pt").read_text() == "step weights complete\n"
+    assert not list(tmp_path.glob("*.partial"))
+    assert "rank 1 (pid" in res.stderr and "exited with code 0" in res.stderr, res.stderr

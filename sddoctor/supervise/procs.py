@@ -302,28 +302,36 @@ class Job:
 
     # -- signals and shutdown -----------------------------------------------------------------
 
-    def signal_job(self, sig: int) -> None:
-        """Send `sig` to the launcher's process group (all of the job that stayed in it)."""
+    def signal_job(self, sig: int) -> bool:
+        """Send `sig` to the launcher's process group (all of the job that stayed in it). False when
+        the group is gone and only the launcher itself (if alive) got it."""
         if self.popen is None:
-            return
+            return False
         try:
             os.killpg(self.popen.pid, sig)
+            return True
         except (ProcessLookupError, PermissionError):
             try:
                 self.popen.send_signal(sig)
             except ProcessLookupError:
                 pass
+            return False
 
     def alive_processes(self) -> list[psutil.Process]:
         self.refresh()
         return [p for p in self.descendants.values() if _alive(p)]
 
     def kill_tree(self, grace: float = 5.0, first_signal: int = signal.SIGTERM) -> None:
-        """Stop every process of the job: `first_signal` to all, then SIGKILL after `grace`."""
+        """Stop every process of the job: `first_signal` to all, then SIGKILL after `grace`.
+
+        `first_signal` reaches each process once: through the launcher's process group, or directly
+        for one that left the group. A rank's own SIGTERM handler (one that saves a checkpoint)
+        then runs once, as under the launcher alone, and is not cut short by a second signal."""
         procs = self.alive_processes()
-        self.signal_job(first_signal)
+        group = self.popen.pid if self.signal_job(first_signal) and self.popen is not None else None
         for p in procs:
-            _send(p, first_signal)
+            if group is None or _process_group(p) != group:
+                _send(p, first_signal)
             _send(p, signal.SIGCONT)  # a process left stopped by a failed stack dump cannot die of TERM
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(_alive(p) for p in self.alive_processes()):
@@ -386,6 +394,13 @@ def _safe_ppid(proc: psutil.Process) -> int | None:
     try:
         return proc.ppid()
     except psutil.Error:
+        return None
+
+
+def _process_group(proc: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(proc.pid)
+    except OSError:
         return None
 
 

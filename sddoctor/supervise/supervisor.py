@@ -38,6 +38,10 @@ POLL_SECONDS = 1.0
 #: nodes to take their own ranks' stacks before it kills its ranks (which takes theirs down too).
 PEER_HANG_GRACE = 10.0
 INTERRUPT_GRACE = 10.0
+#: --on-hang kill: how long the job has, after SIGTERM, before SIGKILL. A rank stuck inside a
+#: collective dies within a second (its watcher thread re-sends SIGTERM's default action); this is
+#: for a rank whose own SIGTERM handler saves a checkpoint, which a SIGKILL would leave half written.
+HANG_STOP_GRACE = 10.0
 
 
 @dataclass
@@ -352,7 +356,7 @@ class Supervisor:
             self.killed_for_hang = True
             self.stopped_by = "hang"
             self.stopped_at = time.time()
-            self.job.kill_tree(grace=3.0)
+            self.job.kill_tree(grace=HANG_STOP_GRACE)
 
     def _sample_straggler(self, episode: Episode, state: RunState) -> None:
         """Where the straggler's time goes: a few seconds of py-spy samples, off the watch loop. Its
