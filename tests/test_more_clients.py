@@ -210,9 +210,9 @@ def test_a_fabric_loop_runs_healthy_with_its_steps_counted(runs: dict) -> None:
 
 
 def test_a_hang_found_without_stacks_places_the_culprit_where_the_stop_found_it(tmp_path: Path) -> None:
-    """With `--on-hang wait` no stack is taken: the hang is reported with rank 1 at its last
-    completed collective. The user then presses Ctrl-C; the report names the line rank 1 was stuck
-    at when the job stopped (its sleep), from how the rank ended."""
+    """With `--on-hang wait` no stack is taken: the hang is reported with rank 1 where its last
+    state snapshot saw its main thread (its sleep). The user then presses Ctrl-C; the report adds
+    the line rank 1 was stuck at when the job stopped, from how the rank ended."""
     res = run_supervised(
         tmp_path,
         torchrun(2, "--standalone", str(SHORT_TIMEOUT)),
@@ -228,6 +228,6 @@ def test_a_hang_found_without_stacks_places_the_culprit_where_the_stop_found_it(
     stuck = script_line("# STALL_SLEEP", SHORT_TIMEOUT)
     assert (v["location"], v["details"]["stopped_at"]) == (stuck, stuck), v
     assert (
-        "its last completed collective" in v["summary"]
+        f"its main thread is at {stuck} in main()" in v["summary"]
         and "When the job was stopped, rank 1:" in v["summary"]
     ), v

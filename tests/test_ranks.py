@@ -309,3 +309,15 @@ def test_a_rank_with_neither_step_nor_collective_after_the_allowance_is_stuck_at
     # no start event of its own: the run's start counts
     bare = RankInputs(rank=1, node="n", state={"t": NOW, "heartbeat": NOW})
     assert derive(bare, RateTracker(), [], NOW, startup_allowance=20, run_started=NOW - 30).state == "stuck"
+
+
+def test_the_call_site_is_the_call_in_flight_else_where_the_main_thread_is() -> None:
+    done = {"op": "all_reduce", "seq": 4, "caller": "t.py:42"}
+    at = {"at": "t.py:40", "function": "main"}
+    st = _state(collectives={"last_done": done}, main_at=at)
+    assert derive(RankInputs(rank=0, node="n", state=st), RateTracker(), [], NOW).call_site == "t.py:40"
+    inflight = [{"pg": "0", "op": "all_reduce", "seq": 5, "caller": "t.py:42", "since": NOW - 1}]
+    st = _state(collectives={"last_done": done, "inflight": inflight}, main_at=at)
+    assert derive(RankInputs(rank=0, node="n", state=st), RateTracker(), [], NOW).call_site == "t.py:42"
+    st = _state(collectives={"last_done": done})  # an older rank: no main_at
+    assert derive(RankInputs(rank=0, node="n", state=st), RateTracker(), [], NOW).call_site == "t.py:42"

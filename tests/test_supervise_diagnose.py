@@ -857,3 +857,41 @@ def test_a_thread_that_only_lost_its_peer_in_a_crash_is_no_finding_of_its_own() 
     died = verdicts[1]
     assert (died.severity, died.culprit_rank, died.location) == ("warning", 0, "/u/train.py:70"), died
     assert "rank 0's thread 'meter' died of OSError: bucket not found" in died.summary, died.summary
+
+
+def test_a_rank_killed_without_a_record_says_where_its_last_snapshot_saw_it() -> None:
+    """The heartbeat writes where the main thread is (`main_at`) into each snapshot: a rank killed
+    by SIGKILL is named at that line, with how long before its death it was seen there, unless
+    its peers completed calls after that snapshot that took it too (it had moved on)."""
+    survivor = rank(0, alive=False, exit={"t": 10.2, "signal": 15}, done={**call(4), "t": 9.0})
+    killed = rank(1, alive=False, exit={"t": 10.0, "signal": 9}, done=call(4, caller="/u/t.py:61"), issued=4)
+    killed.state.update(t=9.6, main_at={"at": "/u/t.py:58", "function": "fill"})
+    state = RunState(now=20.0, started=0.0, ranks={0: survivor, 1: killed}, job_exit={"code": 1, "t": 11})
+    (v,) = diagnose(state)
+    assert (v.kind, v.culprit_rank, v.location) == ("crash", 1, "/u/t.py:58"), v
+    assert v.summary.startswith(
+        "rank 1 died first: it was killed by signal 9 (SIGKILL); "
+        "its main thread was at /u/t.py:58 in fill() 0.4 s before it ended"
+    ), v.summary
+    # rank 0 completed all_reduce #6 (t=9.3) where rank 1's snapshot had issued #4: it is behind
+    survivor.state = {**survivor.state, "collectives": {"last_done": {**call(6), "t": 9.3}}}
+    (v,) = diagnose(state)
+    assert v.location == "/u/t.py:61" and "its last completed collective was all_reduce #4" in v.summary, v
+    # ... but a call that ended as rank 1 died (broken by its death) proves nothing
+    survivor.state = {**survivor.state, "collectives": {"last_done": {**call(5), "t": 9.9}}}
+    (v,) = diagnose(state)
+    assert v.location == "/u/t.py:58", v
+
+
+def test_a_hung_rank_without_a_stack_is_placed_by_its_snapshot() -> None:
+    """No py-spy stack (ptrace refused, --on-hang wait): the missing rank's own snapshot says
+    where its main thread is, a fresher line than its last completed collective."""
+    waiter = rank(0, inflight=[call(5)], issued=5)
+    missing = rank(1, issued=4, done=call(4, caller="train.py:20"))
+    missing.state["main_at"] = {"at": "train.py:14", "function": "load_batch"}
+    (v,) = diagnose(hung(waiter, missing))
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.missing_rank", 1, "train.py:14"), v
+    assert "its main thread is at train.py:14 in load_batch()" in v.summary, v.summary
+    missing.stack = {"ok": True, "top_user_frame": "train.py:15", "top_user_function": "decode"}
+    (v,) = diagnose(hung(waiter, missing))
+    assert v.location == "train.py:15", v  # a stack, when there is one, comes first

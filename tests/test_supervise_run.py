@@ -50,6 +50,22 @@ def test_stalled_data_loader(tmp_path):
     assert v["location"] == script_line("# a stuck read")
 
 
+def test_without_stacks_the_hang_names_the_line_its_heartbeat_saw(tmp_path):
+    # --on-hang wait takes no stack (as where ptrace is not permitted): the verdict names where
+    # rank 1's main thread is from its last state snapshot, not its last completed collective
+    res = run_supervised(
+        tmp_path,
+        torchrun(2, str(SCRIPT)),
+        options=("--hang-timeout", "4", "--on-hang", "wait"),
+        env={"STEPS": "50", "DATA_STALL_RANK": "1"},
+        interrupt_when_file=tmp_path / "run" / "report.json",
+    )
+    live = next(line for line in res.stderr.splitlines() if "error: hang:" in line)
+    assert f"its main thread is at {script_line('# DATA')} in <module>()" in live, live
+    assert live.endswith(f"[{script_line('# DATA')}]"), live
+    assert not list((tmp_path / "run" / "stacks").glob("rank-*"))
+
+
 def test_shape_change_is_a_mismatch(tmp_path):
     res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), fault="shape:rank=1,seq=4", env={"STEPS": "50"})
     assert res.returncode != 0
@@ -114,7 +130,9 @@ def test_sleeping_rank_is_a_straggler(tmp_path):
 def test_a_rank_asleep_past_the_hang_timeout_is_named_with_its_sleep(tmp_path):
     # a sleep longer than --hang-timeout is a hang, not a straggler: the sleeper is the rank the
     # others wait for, and the verdict says it sleeps in the fault rather than just naming its line
-    res = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), fault="sleep:rank=1,seconds=600,seq=6", env={"STEPS": "50"})
+    res = run_supervised(
+        tmp_path, torchrun(2, str(SCRIPT)), fault="sleep:rank=1,seconds=600,seq=6", env={"STEPS": "50"}
+    )
     assert res.returncode == 124, res.stderr
     (v,) = res.verdicts("hang.")
     assert v["kind"] == "hang.missing_rank" and v["culprit_rank"] == 1
@@ -422,12 +440,13 @@ def test_a_run_that_torchrun_restarts_is_judged_on_its_new_processes(tmp_path):
     assert verdict["location"] == script_line("# TRANSIENT", script)
     assert "RuntimeError: transient failure" in verdict["summary"] and verdict["details"]["attempt"] == 1
     # no verdict blames the first attempt's processes for anything else
-    assert not any("transient failure" in v["summary"] for v in res.report["verdicts"] if v["kind"] != "restarted")
+    assert not any(
+        "transient failure" in v["summary"] for v in res.report["verdicts"] if v["kind"] != "restarted"
+    )
     if res.returncode == 0:
         assert [v["kind"] for v in res.report["verdicts"]] == ["restarted"]
         for rank in ("0", "1"):
             assert res.report["ranks"][rank]["exit"]["code"] == 0, res.report["ranks"][rank]
-
 
 
 def test_a_hang_in_a_dataloader_worker_names_the_datasets_line(tmp_path):

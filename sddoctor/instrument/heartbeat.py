@@ -5,7 +5,8 @@ supervisor tells a live-but-stuck rank from a frozen process by it) and, every
 `summary_interval` seconds and at close, emits one `collective` summary event per process
 group that did something. Each tick also appends the calls completed since the last tick to the
 rank's timeline file (`sddoctor.instrument.timeline`). It feeds the state snapshot through the writer's state provider, so
-the training thread never builds a snapshot itself.
+the training thread never builds a snapshot itself; the snapshot also says where the main thread
+is in the user's code (`sddoctor.instrument.position`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from sddoctor.instrument.position import main_thread_position
 from sddoctor.instrument.timeline import TimelineRecorder
 from sddoctor.instrument.tracing import Tracer
 from sddoctor.telemetry.schema import EventKind
@@ -48,7 +50,11 @@ class Heartbeat:
         self._thread.start()
 
     def state(self) -> dict[str, Any]:
-        return {"collectives": self.tracer.snapshot(), "heartbeat": self.beat}
+        return {
+            "collectives": self.tracer.snapshot(),
+            "heartbeat": self.beat,
+            "main_at": main_thread_position(),
+        }
 
     def tick(self) -> None:
         self.tracer.poll()

@@ -220,8 +220,8 @@ def _fill_progress(status: RankStatus, snap: RankSnapshot, rates: RateTracker, n
 def _fill_collectives(
     status: RankStatus, snap: RankSnapshot, rates: RateTracker, now: float
 ) -> Collective | None:
-    """The last collective done, the one in flight and where it was called; returns the oldest
-    collective in flight (None when there is none)."""
+    """The last collective done, the one in flight, and the call site: where the rank is; returns
+    the oldest collective in flight (None when there is none)."""
     rates.add_collectives(snap.t, snap.total_count)
     oldest = min(snap.inflight, key=lambda c: _since(c, now)) if snap.inflight else None
     done = snap.last_done
@@ -230,8 +230,11 @@ def _fill_collectives(
         status.last_collective = f"{done.op or '?'} #{_seq(done)}" + (
             f" {_fmt_seconds(dur)}" if dur is not None else ""
         )
-    where = oldest or done
-    status.call_site = where.caller if where is not None else None
+    # the call it waits in; else where its main thread is in the user's code (a rank stuck reading
+    # data is there, not at its last collective); else its last collective
+    status.call_site = (
+        oldest.caller if oldest is not None else snap.main_at or (done.caller if done else None)
+    )
     if oldest is not None and now - _since(oldest, now) >= COLLECTIVE_SHOWN_AFTER:
         status.inflight = f"{oldest.op or 'collective'} #{_seq(oldest)}"
         status.inflight_for = now - _since(oldest, now)

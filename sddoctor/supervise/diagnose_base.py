@@ -175,8 +175,10 @@ def _sleep_seconds(spec: str) -> float | None:
     return float(seconds) if isinstance(seconds, (int, float)) else None
 
 
-def where_is(rank: RankState) -> tuple[str | None, str]:
-    """Where a rank is now (file:line or None) and a phrase saying how we know."""
+def where_is(rank: RankState, state: RunState | None = None) -> tuple[str | None, str]:
+    """Where a rank is now (file:line or None) and a phrase saying how we know. With the run's
+    `state`, a dead rank's last snapshot is not taken for its position when the run shows that
+    the rank went on after it."""
     if rank.stack and rank.stack.get("top_user_frame"):
         frame = rank.stack["top_user_frame"]
         func = rank.stack.get("top_user_function")
@@ -184,6 +186,9 @@ def where_is(rank: RankState) -> tuple[str | None, str]:
     ended_at = ended_position(rank)
     if ended_at is not None:
         return ended_at
+    sampled = sampled_position(rank)
+    if sampled is not None and not (state is not None and state.behind_its_snapshot(rank.rank)):
+        return sampled
     phase = rank.snapshot.phase
     # the rank's own last sync, not a helper thread's (a metrics thread all-reducing on its own group)
     done = rank.snapshot.last_done_main or rank.snapshot.last_done
@@ -195,6 +200,28 @@ def where_is(rank: RankState) -> tuple[str | None, str]:
     if phase:
         return None, f"it is in phase {phase!r}"
     return None, "no stack or collective record says where"
+
+
+def sampled_position(rank: RankState) -> tuple[str, str] | None:
+    """Where the rank's main thread was in the user's code at its last snapshot (the heartbeat reads
+    it about once a second): for a live rank, where it is now though no stack could be taken; for
+    one that died without a word (SIGKILL), where it was just before."""
+    snap = rank.snapshot
+    if snap.main_at is None:
+        return None
+    where = f"{snap.main_at} in {snap.main_function}()" if snap.main_function else snap.main_at
+    if rank.exit is None and rank.alive is not False and not snap.exited:
+        text = f"its main thread is at {where}"
+    else:
+        before = death_time(rank) - snap.t if snap.t is not None else None
+        text = f"its main thread was at {where}" + (
+            f" {before:.1f} s before it ended"
+            if before is not None and 0 <= before < float("inf")
+            else " at its last snapshot"
+        )
+    if snap.phase:
+        text += f", phase {snap.phase!r}"
+    return snap.main_at, text
 
 
 def ended_position(rank: RankState) -> tuple[str, str] | None:

@@ -295,7 +295,7 @@ def _gave_up_waiting(state: RunState, waiter: RankState) -> Verdict | None:
     culprit = behind[0]
     rank = state.ranks.get(culprit)
     if rank is not None and not (rank.stack or {}).get("top_user_frame"):
-        location, how = where_is(rank)  # where it last was; its end came from the job's teardown
+        location, how = where_is(rank, state)  # where it last was; its end came from the job's teardown
     else:
         location, how = absent_rank_position(state, culprit, rank)
     # no stack was taken (the job's own timeout ended it first): a rank that was asleep in an
@@ -374,11 +374,12 @@ def _after_dump(state: RunState, rank: RankState, exit_info: dict[str, Any] | No
     return after if 0 <= after <= DUMP_CRASH_WINDOW else None
 
 
-def _last_known_place(rank: RankState) -> tuple[str | None, str]:
+def _last_known_place(rank: RankState, state: RunState) -> tuple[str | None, str]:
     """A dead rank that left no line of its own end (a SIGKILL): its line and the summary's words
-    for it. A stack or its end's record says where it died ("at X"); its last completed collective
-    only where it last was, so the summary says that rather than "killed at" a line it had left."""
-    location, how = where_is(rank)
+    for it. A stack or its end's record says where it died ("at X"); its last snapshot's position
+    or its last completed collective only where it last was, so the summary says that rather than
+    "killed at" a line it may have left."""
+    location, how = where_is(rank, state)
     if location is None:
         return None, ""
     exact = bool(rank.stack and rank.stack.get("top_user_frame")) or ended_position(rank) is not None
@@ -403,7 +404,7 @@ def _crash_verdict(
     location = exception_location(exc, rank) or (fault or {}).get("caller") or exit_call or fatal_frame
     place = f" at {location}" if location else ""
     if not location:
-        location, place = _last_known_place(rank)
+        location, place = _last_known_place(rank, state)
     step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     if killed_by_fault(fault, exit_info):

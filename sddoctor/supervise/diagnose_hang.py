@@ -420,7 +420,7 @@ def _hang_outside_collectives(
         return startup
     loaders = [r.rank for r in state.ranks.values() if not r.exited and in_dataloader(r)]
     if loaders:
-        location, how = where_is(state.ranks[loaders[0]])
+        location, how = where_is(state.ranks[loaders[0]], state)
         return Verdict(
             "hang.dataloader",
             "error",
@@ -467,7 +467,7 @@ def _untraced_wait_hang(
     sleepers = [r for r in absent if sleeping_fault(state.ranks[r], state.now)]
     culprit = (sleepers or absent)[0]
     rank = state.ranks[culprit]
-    location, how = where_is(rank)
+    location, how = where_is(rank, state)
     asleep = sleeping_fault(rank, state.now)
     if asleep:
         how += f"; it is {asleep_text(asleep)}"
@@ -507,7 +507,7 @@ def _frozen_hang(
     culprit = frozen[0]
     others = sorted(r for r in waiters if r not in frozen)
     ages = {r: round(state.now - (state.ranks[r].snapshot.heartbeat or 0.0), 1) for r in frozen}
-    location, how = where_is(state.ranks[culprit])
+    location, how = where_is(state.ranks[culprit], state)
     inside = culprit in calls
     if inside:
         location = location if state.ranks[culprit].stack else calls[culprit].caller
@@ -625,7 +625,9 @@ def absent_rank_position(
     if rank.exited:
         fault = fault_of(rank, ("skip",))
         location: str | None = (
-            (fault or {}).get("caller") or exception_location(rank.exception, rank) or where_is(rank)[0]
+            (fault or {}).get("caller")
+            or exception_location(rank.exception, rank)
+            or where_is(rank, state)[0]
         )
         exit_info = rank_exit(rank, state)
         how = f"it {describe_exit(exit_info)}"
@@ -635,7 +637,7 @@ def absent_rank_position(
                 "(DistributedSampler(drop_last=True), or DDP's Join context) or a rank that leaves its loop early"
             )
         return location, how
-    location, how = where_is(rank)
+    location, how = where_is(rank, state)
     fault = fault_of(rank, ("skip",))
     if fault and not (rank.stack or {}).get("top_user_frame"):
         location = fault.get("caller") or location
@@ -673,7 +675,7 @@ def _startup_hang(
     if stuck and not waiters and len(stuck) > 1:
         # Nobody waits for anybody: every rank is still in its own set-up (imports, loading).
         places = [
-            f"rank {r}: {where_is(state.ranks[r])[1] if r in state.ranks else _never_joined(state, r)[1]}"
+            f"rank {r}: {where_is(state.ranks[r], state)[1] if r in state.ranks else _never_joined(state, r)[1]}"
             for r in stuck
         ]
         summary = f"hang at start-up ({elapsed:.0f} s): no rank got to its first collective; " + "; ".join(
@@ -684,7 +686,7 @@ def _startup_hang(
         culprit = _pick_culprit(state, stuck, ("skip",))
         rank = state.ranks.get(culprit) if culprit is not None else None
         if rank is not None:
-            location, how = where_is(rank)
+            location, how = where_is(rank, state)
         else:
             location, how = _never_joined(state, culprit) if culprit is not None else (None, "")
         summary = f"hang at start-up ({elapsed:.0f} s): rank {join_ranks(stuck)} never got to its first collective; {how}"

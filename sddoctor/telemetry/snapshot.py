@@ -184,6 +184,10 @@ class RankSnapshot:
     waiting: Mapping[str, Any] | None = None
     #: the last tick of the rank's heartbeat thread (about 1 Hz)
     heartbeat: float | None = None
+    #: where the main thread was in the user's code when the snapshot was written ("file:line"),
+    #: and in which function
+    main_at: str | None = None
+    main_function: str | None = None
     #: the calls issued and not known complete, oldest first
     inflight: tuple[Collective, ...] = ()
     last_done: Collective | None = None
@@ -209,6 +213,7 @@ class RankSnapshot:
         device = record.get("device")
         waiting = record.get("waiting")
         inflight = colls.get("inflight")
+        main_at = _dict(record.get("main_at"))
         return cls(
             record=record,
             t=_num(record.get("t")),
@@ -227,6 +232,8 @@ class RankSnapshot:
             phase=_str(record.get("phase")),
             waiting=waiting if isinstance(waiting, dict) and waiting.get("what") else None,
             heartbeat=_num(record.get("heartbeat")),
+            main_at=_str(main_at.get("at")),
+            main_function=_str(main_at.get("function")),
             inflight=tuple(Collective.of(c) for c in inflight if isinstance(c, dict))
             if isinstance(inflight, list)
             else (),

@@ -5,10 +5,12 @@ torchrun --nproc-per-node 2 host_oom.py
 Environment: OOM_CGROUP, a memory cgroup folder with a small limit, that rank 1 moves into after
 its start (so only what it allocates from then on counts against the limit); OOM_IN `rank` (rank 1
 itself allocates until it is killed) or `worker` (one of its DataLoader workers does, in
-`__getitem__`); OOM_STEP (5): the step where it starts. STEPS (12), BATCH (8).
+`__getitem__`); OOM_STEP (5): the step where it starts; FILL_PAUSE (0): seconds between two
+16 MiB chunks, as memory grows in a leak or a cache filled over seconds. STEPS (12), BATCH (8).
 """
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -21,10 +23,11 @@ CHUNK = 16 * 2**20
 
 
 def use_memory_until_killed():
-    held = []
+    held, pause = [], float(os.environ.get("FILL_PAUSE", "0"))
     while True:
         held.append(bytearray(CHUNK))  # fills every page: the memory is really used
         held[-1][::4096] = b"\x01" * (CHUNK // 4096)
+        time.sleep(pause)
 
 
 class Batches(Dataset):
