@@ -1,7 +1,8 @@
 """A plain DDP-style user script (no sddoctor API unless REPORT_STEPS=1): compute, then one all_reduce per step.
 
 Environment: STEPS (default 20), PAUSE seconds of "compute" per step (default 0.05),
-SIZE elements per all_reduce (default 8), DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall); REPORT_STEPS=1: report each step with `sdi.step` (the only use of sddoctor's API).
+SIZE elements per all_reduce (default 8), DATA_STALL_RANK: that rank's DataLoader worker stops delivering at item 4 (a data-loader stall); REPORT_STEPS=1: report each step with `sdi.step` (the only use of sddoctor's API);
+SLOW_RANK: that rank spends SLOW_SECONDS (0.25) more per step in a function of its own (a straggler).
 """
 
 import os
@@ -9,6 +10,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+
+def augment_on_the_cpu() -> None:
+    time.sleep(float(os.environ.get("SLOW_SECONDS", "0.25")))  # SLOW_WORK
 
 
 class Items(torch.utils.data.Dataset):
@@ -38,6 +43,8 @@ for step in range(steps):
     time.sleep(pause)
     if batches is not None:
         x = next(batches)  # DATA
+    if os.environ.get("SLOW_RANK") == str(rank):
+        augment_on_the_cpu()
     y = x * (rank + 1)
     dist.all_reduce(y)  # COLLECTIVE
     if os.environ.get("REPORT_STEPS") == "1":  # as an instrumented training loop does

@@ -242,3 +242,22 @@ def test_a_rank_waiting_for_its_dataloader_is_placed_at_its_workers_busiest_line
         "waits_for": "dataloader",
         "worker": {"location": "/job/data.py:12", "function": "__getitem__", "share": 0.8, "samples": 100},
     }, hot
+
+
+def test_the_snapshots_hot_line_counts_positions_since_the_episode_began() -> None:
+    from sddoctor.supervise.state import RankState
+    from sddoctor.supervise.straggler import snapshot_hot_line
+
+    rank = RankState(rank=1)
+    rank.positions = [(float(t), "t.py:5", "load") for t in range(10)]  # before the episode
+    rank.positions += [(float(t), "t.py:9", "augment") for t in range(10, 16)]
+    rank.positions += [(float(t), "t.py:12", "main") for t in range(16, 18)]
+    cause = snapshot_hot_line(rank, since=10.0)
+    assert cause == {
+        "location": "t.py:9",
+        "function": "augment",
+        "share": 0.75,
+        "samples": 8,
+        "source": "snapshots",
+    }
+    assert snapshot_hot_line(rank, since=14.0) is None  # 4 snapshots say too little

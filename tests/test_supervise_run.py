@@ -127,6 +127,23 @@ def test_sleeping_rank_is_a_straggler(tmp_path):
     assert [x for x in res.report["verdicts"] if x["kind"] != "straggler"] == []
 
 
+def test_a_straggler_the_run_outlives_too_briefly_for_py_spy_is_placed_by_its_snapshots(tmp_path):
+    # about 7 s of steps: too short to confirm and sample the straggler while it runs, so the final
+    # report names the line where its state snapshots saw it spend its time, not where the others wait
+    res = run_supervised(
+        tmp_path,
+        torchrun(2, str(SCRIPT)),
+        env={"STEPS": "26", "PAUSE": "0.01", "SLOW_RANK": "1"},
+        options=("--hang-timeout", "30"),
+    )
+    assert res.returncode == 0, res.stderr
+    (v,) = res.verdicts("straggler")
+    assert (v["culprit_rank"], v["location"]) == (1, script_line("# SLOW_WORK")), v
+    assert f"its time goes at {script_line('# SLOW_WORK')} in augment_on_the_cpu() (" in v["summary"], v
+    assert v["details"]["cause"]["source"] == "snapshots", v
+    assert any(e.startswith("its line is where its state snapshots") for e in v["evidence"]), v
+
+
 def test_a_rank_asleep_past_the_hang_timeout_is_named_with_its_sleep(tmp_path):
     # a sleep longer than --hang-timeout is a hang, not a straggler: the sleeper is the rank the
     # others wait for, and the verdict says it sleeps in the fault rather than just naming its line

@@ -115,6 +115,9 @@ class RankState:
     #: Earlier processes of this rank (torchrun --max-restarts): {pid, exception, exit, step, faults},
     #: oldest first.
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    #: Where each new snapshot saw the main thread: (snapshot t, "file:line", function), oldest
+    #: first (bounded): samples of its time, about one a second, where py-spy takes none.
+    positions: list[tuple[float, str, str | None]] = field(default_factory=list)
 
     _snapshot: RankSnapshot | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -147,6 +150,7 @@ class RankState:
         self.alive = None
         self.stack = None
         self.arrivals = {}
+        self.positions = []
         self.state = {}  # the new process is in its start-up until it writes a snapshot
 
     @property

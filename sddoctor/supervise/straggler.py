@@ -19,12 +19,15 @@ ranks share do not pass: each is one late arrival, or no skew at all. The live w
 final verdict come from the same episodes.
 
 Pure functions and plain state; the supervisor adds the straggler's own hot line from py-spy
-samples (`stacks.sample_hot_frame`).
+samples (`stacks.sample_hot_frame`), or, where py-spy takes none (ptrace not permitted, a rank on
+another node, a run that ended before it could sample), from where the rank's state snapshots saw
+its main thread (`snapshot_hot_line`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -41,6 +44,8 @@ MIN_OTHERS_WAIT_SHARE = 0.1
 #: the least share of the straggler's samples its busiest user line must hold to be named as where
 #: its time goes
 MIN_CAUSE_SHARE = 0.25
+#: the fewest snapshots (about one a second) that may name the straggler's line without py-spy
+MIN_SNAPSHOT_SAMPLES = 5
 MIN_WAIT_SECONDS = 0.05
 #: the least number of collectives the straggler must be late at by a quarter of its worst
 #: lateness or more: one or two long late arrivals (stalls, a save on one rank) are not a rank
@@ -263,6 +268,24 @@ def where_others_wait(state: RunState, slow: int, since: float) -> str | None:
     return max(waits, key=lambda c: waits[c]) if waits else None
 
 
+def snapshot_hot_line(rank: RankState, since: float) -> dict[str, Any] | None:
+    """Where the rank's time goes, from where its state snapshots saw its main thread since
+    `since` (about one a second): a cause as py-spy's samples give one (`location`, `function`,
+    `share`, `samples`) with `source: "snapshots"`; None when fewer than MIN_SNAPSHOT_SAMPLES."""
+    seen = Counter((at, function) for t, at, function in list(rank.positions) if t >= since)
+    total = sum(seen.values())
+    if total < MIN_SNAPSHOT_SAMPLES:
+        return None
+    (at, function), count = seen.most_common(1)[0]
+    return {
+        "location": at,
+        "function": function,
+        "share": count / total,
+        "samples": total,
+        "source": "snapshots",
+    }
+
+
 # -- persistence ------------------------------------------------------------------------------------
 
 
@@ -337,6 +360,7 @@ class StragglerTracker:
             declared=now,
             finding=finding,
             last_seen=now,
+            cause=snapshot_hot_line(state.ranks[finding.rank], finding.since),
             cause_problem="the run ended before the straggler could be sampled",
             ready=True,
         )
@@ -411,7 +435,10 @@ def _verdict(
         cause = None
     if cause and cause.get("location"):
         location = cause["location"]
-        summary += f"; its time goes at {_line_text(cause)} ({100 * share:.0f}% of its samples)"
+        samples = (
+            f"{cause.get('samples')} state snapshots" if cause.get("source") == "snapshots" else "samples"
+        )
+        summary += f"; its time goes at {_line_text(cause)} ({100 * share:.0f}% of its {samples})"
         if cause.get("waits_for") == "dataloader":
             summary += ", waiting for its DataLoader workers"
             worker = cause.get("worker") or {}
@@ -433,7 +460,12 @@ def _verdict(
     ]
     if data.get("period"):
         evidence.append(f"{data.get('steps')} steps in the window, {float(data['period']):.3f} s per step")
-    if cause_problem:
+    if cause and cause.get("source") == "snapshots":
+        evidence.append(
+            "its line is where its state snapshots (about one a second) saw its main thread"
+            + (f"; py-spy took no samples: {cause_problem}" if cause_problem else "")
+        )
+    elif cause_problem:
         evidence.append(f"no line of the straggler's own time: {cause_problem}")
     if cause and cause.get("waits_for") == "dataloader":
         evidence.append(LOADER_ADVICE.format(rank=rank))

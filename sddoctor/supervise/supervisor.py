@@ -28,7 +28,7 @@ from sddoctor.supervise.port_holders import port_holders
 from sddoctor.supervise.procs import Job, become_subreaper, install_forwarding
 from sddoctor.supervise.report import attach_preflight, build_report, rank_summary, write_report
 from sddoctor.supervise.state import RankState, RunState, Verdict
-from sddoctor.supervise.straggler import Episode, StragglerTracker
+from sddoctor.supervise.straggler import Episode, StragglerTracker, snapshot_hot_line
 from sddoctor.supervise.watch import Watcher, parse_launcher_failures
 from sddoctor.telemetry import RunDir, registry
 from sddoctor.telemetry.runinfo import RunOptions, read_run_info
@@ -374,6 +374,8 @@ class Supervisor:
                     episode.cause_problem = str(result["error"])
                 else:
                     episode.cause = result
+            if episode.cause is None:  # no py-spy samples: its snapshots say where it was
+                episode.cause = snapshot_hot_line(rank, episode.since)
             episode.ready = True
 
         thread = threading.Thread(target=sample, name="sddoctor-straggler-samples", daemon=True)

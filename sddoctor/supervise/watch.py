@@ -22,6 +22,7 @@ from sddoctor.telemetry.timeline import decode_calls, timeline_file
 _KEPT = {"exception", "oom", "fallback", "fault", "exit", "start", "warning", "replicas", "internal_error"}
 _MAX_SIGHTINGS = 4096  # per rank and pg: the straggler window (60 s) of a busy DDP job
 _MAX_STEPS = 4096  # per rank: recent step events kept for step-time statistics
+_MAX_POSITIONS = 600  # per rank: where its last snapshots (about one a second) saw its main thread
 
 
 class Watcher:
@@ -268,6 +269,9 @@ class Watcher:
             return  # the same snapshot as last time
         if s.t is not None:
             self._last_state_t[rank.rank] = s.t
+            if s.main_at is not None:
+                rank.positions.append((s.t, s.main_at, s.main_function))
+                del rank.positions[: len(rank.positions) - _MAX_POSITIONS]
         for c in s.inflight:
             self._sight(rank, c, enqueue=c.since, duration=None)
         done = s.last_done
