@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import Any
 
 from sddoctor.codepaths import current_roots
+from sddoctor.instrument.position import innermost_user_frame
 from sddoctor.telemetry.writer import EXIT_FLUSH_TIMEOUT
 
 _installed: dict[str, Any] = {}
@@ -56,7 +57,7 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
     if caller is None:  # caught by library code (Lightning's handler of KeyboardInterrupt, then
         # sys.exit(1)): its traceback starts where it was caught; the user's line that called in
         # is among the frames above that one
-        caller = _outer_user_line(tb, roots)
+        caller = _outer_user_line(tb)
     if caller is None:  # none: the innermost outside torch and sddoctor, else the innermost
         outside = [fs for fs in frames if not roots.is_internal(fs.filename)]
         chosen = outside[-1] if outside else (frames[-1] if frames else None)
@@ -74,16 +75,11 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
     }
 
 
-def _outer_user_line(tb: TracebackType | None, roots: Any) -> str | None:
+def _outer_user_line(tb: TracebackType | None) -> str | None:
     """The innermost frame of the user's code among those that called the frame where the
     exception was caught (None for an uncaught one, whose traceback starts at the top)."""
-    frame = tb.tb_frame.f_back if tb is not None else None
-    depth = 0
-    while frame is not None and depth < 256:
-        if roots.is_user(frame.f_code.co_filename):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame, depth = frame.f_back, depth + 1
-    return None
+    found = innermost_user_frame(tb.tb_frame.f_back) if tb is not None else None
+    return found["at"] if found else None
 
 
 def frame_position(frame: Any) -> dict[str, Any]:

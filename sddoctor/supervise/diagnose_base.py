@@ -187,7 +187,7 @@ def where_is(rank: RankState, state: RunState | None = None) -> tuple[str | None
     if ended_at is not None:
         return ended_at
     sampled = sampled_position(rank)
-    if sampled is not None and not (state is not None and state.behind_its_snapshot(rank.rank)):
+    if sampled is not None and not (state is not None and behind_its_snapshot(state, rank)):
         return sampled
     phase = rank.snapshot.phase
     # the rank's own last sync, not a helper thread's (a metrics thread all-reducing on its own group)
@@ -271,6 +271,33 @@ def death_time(rank: RankState) -> float:
         return min(known)
     last = rank.snapshot.t
     return last if last is not None else float("inf")
+
+
+#: seconds before a rank's death within which a peer's completed call may be one its death broke
+_DEATH_MARGIN = 0.5
+
+
+def behind_its_snapshot(state: RunState, rank: RankState) -> bool:
+    """Whether the rank did more than its last snapshot says: another rank completed a call of the
+    default group that the snapshot had not issued yet (which took this rank too), or a step of it
+    was recorded after the snapshot. A rank killed within a second of its last snapshot leaves such
+    a snapshot behind. A call that ended as the rank died (a peer's all-reduce broken by its death)
+    proves nothing."""
+    snap = rank.snapshot
+    if snap.t is not None and rank.steps and rank.steps[-1][0] > snap.t:
+        return True
+    before = death_time(rank) - _DEATH_MARGIN
+    issued = snap.issued_on("0") or 0
+    return any(
+        other.rank != rank.rank
+        and (done := other.snapshot.last_done) is not None
+        and done.pg == "0"
+        and done.seq is not None
+        and done.seq > issued
+        and done.t is not None
+        and done.t < before
+        for other in state.ranks.values()
+    )
 
 
 def rank_exit(rank: RankState, state: RunState) -> dict[str, Any] | None:

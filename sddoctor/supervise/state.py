@@ -271,36 +271,6 @@ class RunState:
                     del top[2:]
         return latest
 
-    def behind_its_snapshot(self, rank_id: int) -> bool:
-        """Whether the rank did more than its last snapshot says: another rank completed a call of
-        the default group that the snapshot had not issued yet (which took this rank too), or a
-        step of it was recorded after the snapshot. A rank killed within a second of its last
-        snapshot leaves such a snapshot behind. A call that ended as the rank died (a peer's
-        all-reduce broken by its death) proves nothing."""
-        rank = self.ranks.get(rank_id)
-        if rank is None:
-            return False
-        snap = rank.snapshot
-        if snap.t is not None and rank.steps and rank.steps[-1][0] > snap.t:
-            return True
-        ends = [
-            t
-            for t in ((rank.exit or {}).get("t"), (rank.exception or {}).get("t"))
-            if isinstance(t, (int, float))
-        ]
-        before = min(ends) - _DEATH_MARGIN if ends else float("inf")
-        issued = snap.issued_on("0") or 0
-        return any(
-            other.rank != rank_id
-            and (done := other.snapshot.last_done) is not None
-            and done.pg == "0"
-            and done.seq is not None
-            and done.seq > issued
-            and done.t is not None
-            and done.t < before
-            for other in self.ranks.values()
-        )
-
     @property
     def stalled_since(self) -> float:
         """Since when the job has stalled: its last progress, or, if earlier, the start of the call
@@ -347,10 +317,6 @@ class RunState:
         if not any(r.snapshot.started_work for r in self.ranks.values()):
             return self.now - self.started >= self.startup_timeout  # nobody got past start-up
         return self.stalled_for >= self.hang_timeout
-
-
-#: seconds before a rank's death within which a peer's completed call may be one its death broke
-_DEATH_MARGIN = 0.5
 
 
 def _passed(latest: dict[str, list[tuple[int, int]]], rank: int, call: Collective) -> bool:
