@@ -10,7 +10,7 @@ from typing import Any
 
 from sddoctor.codepaths import first_user_frame
 from sddoctor.supervise.callhistory import blocked_call
-from sddoctor.supervise.comm_errors import known_error
+from sddoctor.supervise.comm_errors import KnownError, known_error
 from sddoctor.supervise.diagnose_base import (
     INJECTED,
     PEER_FAILURE,
@@ -35,7 +35,7 @@ from sddoctor.supervise.diagnose_base import (
 )
 from sddoctor.supervise.diagnose_hang import DDP_STEP_CALLS, absent_rank_position, mismatch_from_sightings
 from sddoctor.supervise.diagnose_oom import HOST_OOM_ADVICE, host_oom_finding
-from sddoctor.supervise.nested_traceback import nested_traceback
+from sddoctor.supervise.nested_traceback import NestedTraceback, nested_traceback
 from sddoctor.supervise.state import RankState, RunState, Verdict
 
 _MISMATCH_TEXT = re.compile(
@@ -405,7 +405,6 @@ def _crash_verdict(
     place = f" at {location}" if location else ""
     if not location:
         location, place = _last_known_place(rank, state)
-    step = rank.snapshot.step
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     if killed_by_fault(fault, exit_info):
         how += INJECTED
@@ -442,10 +441,52 @@ def _crash_verdict(
     traceback = exc.get("traceback") if exc else None
     if not traceback and len(state.ranks) <= 1:
         traceback = last_traceback(state.stderr_tail)
+    details = _crash_details(rank, exit_info, traceback, consequences, same_error, host_oom, common, nested)
+    severity = "error"
+    after_dump = _after_dump(state, rank, exit_info)
+    if after_dump is not None:
+        # The hang verdict already names the cause; this death came from looking at it.
+        severity = "warning"
+        details["after_flight_recorder_dump_s"] = round(after_dump, 1)
+        summary += _AFTER_DUMP_CLAUSE.format(seconds=after_dump)
+        evidence.append(_AFTER_DUMP_EVIDENCE)
+    return Verdict(
+        kind="crash",
+        severity=severity,
+        summary=summary,
+        culprit_rank=rank.rank,
+        location=location,
+        details=details,
+        evidence=evidence,
+    )
+
+
+_AFTER_DUMP_CLAUSE = (
+    " ({seconds:.0f} s after sddoctor asked the ranks for their NCCL flight-recorder dumps "
+    "on the hang: likely a crash of the dump itself, not a cause of the hang)"
+)
+_AFTER_DUMP_EVIDENCE = (
+    "ProcessGroupNCCL has been seen to crash a rank a few seconds after a flight-recorder dump "
+    "(torch 2.11); run with --on-hang kill to stop the job right after the diagnosis"
+)
+
+
+def _crash_details(
+    rank: RankState,
+    exit_info: dict[str, Any] | None,
+    traceback: Any,
+    consequences: list[int],
+    same_error: list[int],
+    host_oom: tuple[str, dict[str, Any]] | None,
+    common: KnownError | None,
+    nested: NestedTraceback | None,
+) -> dict[str, Any]:
+    """The crash verdict's `details`: what report.json keeps beside the summary."""
+    exc = rank.exception
     details: dict[str, Any] = {
         "rank": rank.rank,
         "exit": exit_info,
-        "step": step,
+        "step": rank.snapshot.step,
         "traceback": traceback,
         "consequences": consequences,
         "died_at": death_time(rank) if death_time(rank) != float("inf") else None,
@@ -466,29 +507,7 @@ def _crash_verdict(
             "exception": nested.exception,
             "traceback": list(nested.frames),
         }
-    severity = "error"
-    after_dump = _after_dump(state, rank, exit_info)
-    if after_dump is not None:
-        # The hang verdict already names the cause; this death came from looking at it.
-        severity = "warning"
-        details["after_flight_recorder_dump_s"] = round(after_dump, 1)
-        summary += (
-            f" ({after_dump:.0f} s after sddoctor asked the ranks for their NCCL flight-recorder dumps "
-            "on the hang: likely a crash of the dump itself, not a cause of the hang)"
-        )
-        evidence.append(
-            "ProcessGroupNCCL has been seen to crash a rank a few seconds after a flight-recorder dump "
-            "(torch 2.11); run with --on-hang kill to stop the job right after the diagnosis"
-        )
-    return Verdict(
-        kind="crash",
-        severity=severity,
-        summary=summary,
-        culprit_rank=rank.rank,
-        location=location,
-        details=details,
-        evidence=evidence,
-    )
+    return details
 
 
 def _crash_evidence(
