@@ -190,13 +190,33 @@ class StderrLog:
             pass
 
 
+#: The most of one stderr line the supervisor keeps for its diagnosis (the console and stderr.log
+#: get all of it): the start, where an error names itself, and the end.
+TAIL_LINE_HEAD = 3000
+TAIL_LINE_END = 1000
+
+
+def tail_text(line: str) -> str:
+    """What the diagnosis keeps of one stderr line: what a terminal shows of it (after the last
+    carriage return: a progress bar redrawn in place 100,000 times is one bar), at most
+    TAIL_LINE_HEAD + TAIL_LINE_END characters. Unbounded lines would make every error pattern
+    the diagnosis looks for scan megabytes."""
+    line = line.rstrip("\r")
+    if "\r" in line:
+        line = line.rsplit("\r", 1)[1]
+    if len(line) > TAIL_LINE_HEAD + TAIL_LINE_END:
+        cut = len(line) - TAIL_LINE_HEAD - TAIL_LINE_END
+        line = f"{line[:TAIL_LINE_HEAD]} [... {cut} characters ...] {line[-TAIL_LINE_END:]}"
+    return line
+
+
 def _emit(data: bytes, sink: IO[str] | None, on_line: Callable[[str], None]) -> bytes:
     """Write the complete lines of `data` (to `sink` unless None); return the unfinished rest."""
     *lines, rest = data.split(b"\n")
     for raw in lines:
         line = raw.decode("utf-8", errors="replace")
         try:
-            on_line(line)
+            on_line(tail_text(line))
         except Exception:  # noqa: BLE001
             pass
         if sink is None:
