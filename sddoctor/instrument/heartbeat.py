@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from sddoctor.instrument.position import main_thread_position
+from sddoctor.instrument.position import main_thread_cpu_seconds, main_thread_position
 from sddoctor.instrument.timeline import TimelineRecorder
 from sddoctor.instrument.tracing import Tracer
 from sddoctor.telemetry.schema import EventKind
@@ -54,6 +54,9 @@ class Heartbeat:
             "collectives": self.tracer.snapshot(),
             "heartbeat": self.beat,
             "main_at": main_thread_position(),
+            # the main thread's CPU seconds: the supervisor tells a rank that computes from one
+            # that sits blocked (a lock, a read, a sleep) when neither issues collectives nor steps
+            "main_cpu_s": main_thread_cpu_seconds(),
         }
 
     def tick(self) -> None:

@@ -1,9 +1,11 @@
-"""Where the rank's main thread stands in the user's own code, read from another thread.
+"""Where the rank's main thread stands in the user's own code, and how busy it is, read from
+another thread.
 
 The heartbeat puts it into every state snapshot (`main_at`, about once a second). The supervisor
 then knows a rank's line without attaching to it: where py-spy cannot (ptrace not permitted, as in
 many containers; `--on-hang wait`), and where nothing can any more, a rank killed by SIGKILL (the
-kernel's OOM killer), which runs no code of its own as it dies.
+kernel's OOM killer), which runs no code of its own as it dies. Its CPU clock (`main_cpu_s`)
+tells the supervisor a rank that computes outside any collective from one that sits blocked.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import time
 from typing import Any
 
 from sddoctor.codepaths import current_roots
@@ -27,6 +30,18 @@ def main_thread_position() -> dict[str, str] | None:
         frame = sys._current_frames().get(threading.main_thread().ident or -1)
         return innermost_user_frame(frame)
     except Exception:  # noqa: BLE001 - a position is a nicety; the rank's work is not
+        return None
+
+
+def main_thread_cpu_seconds() -> float | None:
+    """CPU seconds the main thread has used (its own clock; other threads' work is not in it), or
+    None where the platform has no per-thread clock. Never raises."""
+    try:
+        ident = threading.main_thread().ident
+        if ident is None:
+            return None
+        return round(time.clock_gettime(time.pthread_getcpuclockid(ident)), 3)
+    except (AttributeError, OSError, OverflowError, ValueError):
         return None
 
 

@@ -118,6 +118,9 @@ class RankState:
     #: Where each new snapshot saw the main thread: (snapshot t, "file:line", function), oldest
     #: first (bounded): samples of its time, about one a second, where py-spy takes none.
     positions: list[tuple[float, str, str | None]] = field(default_factory=list)
+    #: When (supervisor's clock) a new snapshot last showed the rank computing: its main thread used
+    #: at least `watch.COMPUTING_CPU_SHARE` of a core since its previous snapshot.
+    computing_seen: float | None = None
 
     _snapshot: RankSnapshot | None = field(default=None, init=False, repr=False, compare=False)
 

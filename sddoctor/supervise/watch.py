@@ -23,6 +23,12 @@ _KEPT = {"exception", "oom", "fallback", "fault", "exit", "start", "warning", "r
 _MAX_SIGHTINGS = 4096  # per rank and pg: the straggler window (60 s) of a busy DDP job
 _MAX_STEPS = 4096  # per rank: recent step events kept for step-time statistics
 _MAX_POSITIONS = 600  # per rank: where its last snapshots (about one a second) saw its main thread
+#: A rank whose main thread used at least this share of a core between two snapshots is computing
+#: (one blocked in a lock, a read or a sleep uses next to none; a busy one on a crowded machine
+#: still gets far more than this).
+COMPUTING_CPU_SHARE = 0.3
+#: ... as long as that was seen this recently (seconds): a rank whose snapshots stop is not.
+COMPUTING_FRESH_S = 3.0
 
 
 class Watcher:
@@ -53,6 +59,7 @@ class Watcher:
         self._fatal_sizes: dict[int, int] = {}  # size of each rank's fatal-signal file when last read
         self._progress_key: dict[int, Any] = {}
         self._last_state_t: dict[int, float] = {}
+        self._last_cpu: dict[int, tuple[float, float]] = {}  # rank -> (snapshot t, main_cpu_s)
         self.last_progress: float | None = None
         self.world_size: int | None = None
 
@@ -78,6 +85,7 @@ class Watcher:
             if snapshot is not None:
                 self._on_snapshot(rank, snapshot, now)
             self._read_fatal_dump(rank)
+        self._note_computing(now)
 
     def _read_fatal_dump(self, rank: RankState) -> None:
         """Read the rank's fatal-signal file again whenever it grew (faulthandler appends to it)."""
@@ -194,6 +202,7 @@ class Watcher:
                     rank.faults = snap[name]
             rank.alive = None if rank.exit is None else False
             rank.remote = True
+        self._note_computing(now)
 
     def _on_event(self, rank: RankState, event: dict[str, Any], now: float) -> None:
         kind = event.get("kind")
@@ -269,6 +278,7 @@ class Watcher:
             return  # the same snapshot as last time
         if s.t is not None:
             self._last_state_t[rank.rank] = s.t
+            self._note_cpu(rank, s.t, s.main_cpu_s, now)
             if s.main_at is not None:
                 rank.positions.append((s.t, s.main_at, s.main_function))
                 del rank.positions[: len(rank.positions) - _MAX_POSITIONS]
@@ -291,6 +301,33 @@ class Watcher:
             self._progress_key[rank.rank] = key
             if self.last_progress is None:
                 self.last_progress = now
+
+    def _note_cpu(self, rank: RankState, t: float, cpu_s: float | None, now: float) -> None:
+        """Mark `rank` computing when its main thread's CPU clock ran fast enough since its last snapshot."""
+        previous = self._last_cpu.get(rank.rank)
+        if cpu_s is None:
+            return
+        self._last_cpu[rank.rank] = (t, cpu_s)
+        if previous is not None and t > previous[0]:
+            if (cpu_s - previous[1]) / (t - previous[0]) >= COMPUTING_CPU_SHARE:
+                rank.computing_seen = now
+
+    def _note_computing(self, now: float) -> None:
+        """Every rank computing is progress: a long evaluation or data pass that issues no
+        collective and ends no step on any rank is work, not a hang. Computing means each live
+        rank's main thread keeps a core busy (`COMPUTING_CPU_SHARE`, from its snapshots), while
+        none is inside a collective or waits in a store. A main thread blocked in a lock, a pipe or
+        a sleep uses no CPU (whatever its other threads do), and the job stays stalled."""
+        live = [r for r in self.ranks.values() if not r.exited]
+        if not live or (self.world_size is not None and len(self.ranks) < self.world_size):
+            return
+        for r in live:
+            if r.computing_seen is None or now - r.computing_seen > COMPUTING_FRESH_S:
+                return
+            snap = r.snapshot
+            if snap.waiting or any(c.holds_the_rank for c in snap.inflight):
+                return
+        self.last_progress = now
 
     def _sight(
         self, rank: RankState, c: Collective, *, enqueue: float | None, duration: float | None

@@ -188,6 +188,8 @@ class RankSnapshot:
     #: and in which function
     main_at: str | None = None
     main_function: str | None = None
+    #: CPU seconds the rank's main thread had used when the snapshot was written
+    main_cpu_s: float | None = None
     #: the calls issued and not known complete, oldest first
     inflight: tuple[Collective, ...] = ()
     last_done: Collective | None = None
@@ -234,6 +236,7 @@ class RankSnapshot:
             heartbeat=_num(record.get("heartbeat")),
             main_at=_str(main_at.get("at")),
             main_function=_str(main_at.get("function")),
+            main_cpu_s=_num(record.get("main_cpu_s")),
             inflight=tuple(Collective.of(c) for c in inflight if isinstance(c, dict))
             if isinstance(inflight, list)
             else (),
