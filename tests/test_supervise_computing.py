@@ -9,8 +9,6 @@ import pytest
 from client_fixtures import CLIENTS
 from supervise_fixtures import run_supervised, script_line, torchrun
 
-from conftest import subprocess_env
-
 pytestmark = pytest.mark.timeout(240)
 
 PAUSE = CLIENTS / "evaluation_pause.py"
@@ -22,7 +20,7 @@ def run_pause(tmp_path, **env: str):
         tmp_path,
         torchrun(2, str(PAUSE)),
         options=WAIT,
-        env=subprocess_env(OMP_NUM_THREADS="1", EVAL="10", **env),
+        env={"OMP_NUM_THREADS": "1", "EVAL": "10", **env},
         timeout=120,
     )
 

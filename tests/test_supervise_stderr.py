@@ -4,12 +4,11 @@ bounded tail (a progress bar redrawn in place is one line, however many times it
 from __future__ import annotations
 
 import io
-import json
-import sys
 import threading
 
+from supervise_fixtures import run_supervised, torchrun
+
 from sddoctor.supervise.lifecycle import TAIL_LINE_END, TAIL_LINE_HEAD, StderrLog, tail_text
-from tests.conftest import run_to_end, subprocess_env
 
 BAR_REDRAWS = 60_000
 
@@ -74,31 +73,11 @@ dist.destroy_process_group()
 def test_a_job_that_redraws_a_progress_bar_is_diagnosed_from_a_bounded_tail(tmp_path) -> None:
     script = tmp_path / "noisy.py"
     script.write_text(NOISY_RANKS.format(redraws=BAR_REDRAWS))
-    run_dir = tmp_path / "run"
-    code, out = run_to_end(
-        [
-            sys.executable,
-            "-m",
-            "sddoctor",
-            "run",
-            "--run-dir",
-            str(run_dir),
-            "--",
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            str(script),
-        ],  # fmt: skip
-        timeout=240,
-        env=subprocess_env(),
-    )
-    assert code == 1, out[-3000:]
-    report = json.loads((run_dir / "report.json").read_text())
-    crash = next(v for v in report["verdicts"] if v["kind"] == "crash")
+    run = run_supervised(tmp_path, torchrun(2, str(script)), timeout=240)
+    assert run.returncode == 1, run.stderr[-3000:]
+    crash = next(v for v in run.report["verdicts"] if v["kind"] == "crash")
     assert crash["culprit_rank"] == 1 and "rank 1 gave up" in crash["summary"]
-    tail = report["launcher"]["stderr_tail"]
+    tail = run.report["launcher"]["stderr_tail"]
     assert tail and max(len(line) for line in tail) <= TAIL_LINE_HEAD + TAIL_LINE_END + 40
     # the console still got every redraw of both bars (as separate lines: text mode reads \r as one)
-    assert out.count("rank 1 step") == BAR_REDRAWS
+    assert run.stderr.count("rank 1 step") == BAR_REDRAWS
