@@ -7,6 +7,8 @@ import re
 import sys
 import warnings
 
+import pytest
+
 from benchmarks import host_syncs
 from tests.conftest import run_to_end, subprocess_env
 
@@ -41,6 +43,7 @@ def test_each_sync_site_is_counted_with_its_stack_and_other_warnings_pass_throug
     assert any("test_host_syncs.py" in line and "read_loss_every_step" in line for line in report)
 
 
+@pytest.mark.slow
 def test_runs_the_trainer_and_times_each_step_from_the_chosen_one(tmp_path) -> None:
     code, out = run_to_end(
         [

@@ -9,7 +9,7 @@ import pytest
 from client_fixtures import CLIENTS
 from supervise_fixtures import run_supervised, script_line, torchrun
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 PAUSE = CLIENTS / "evaluation_pause.py"
 WAIT = ("--hang-timeout", "4", "--on-hang", "dump")
