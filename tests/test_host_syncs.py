@@ -15,7 +15,7 @@ from tests.conftest import run_to_end, subprocess_env
 SYNC_MESSAGE = "called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp)"
 
 
-def read_loss_every_step(log: host_syncs.SyncLog, steps: int) -> None:
+def read_loss_every_step(steps: int) -> None:
     for _ in range(steps):
         warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=1)
 
@@ -23,16 +23,11 @@ def read_loss_every_step(log: host_syncs.SyncLog, steps: int) -> None:
 def test_each_sync_site_is_counted_with_its_stack_and_other_warnings_pass_through() -> None:
     passed: list[str] = []
     log = host_syncs.SyncLog(lambda message, *rest: passed.append(str(message)))
-    saved = warnings.showwarning
-    warnings.showwarning = log.showwarning
-    try:
-        with warnings.catch_warnings():
-            warnings.showwarning = log.showwarning
-            warnings.simplefilter("always")
-            read_loss_every_step(log, 3)
-            warnings.warn("an unrelated deprecation", DeprecationWarning, stacklevel=1)
-    finally:
-        warnings.showwarning = saved
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+        warnings.showwarning = log.showwarning
+        warnings.simplefilter("always")
+        read_loss_every_step(3)
+        warnings.warn("an unrelated deprecation", DeprecationWarning, stacklevel=1)
     assert passed == ["an unrelated deprecation"]
     assert len(log.sites) == 1
     ((site, count),) = log.sites.items()
