@@ -20,6 +20,8 @@ timeout = datetime.timedelta(seconds=3 if mode == "pg_timeout" else 60)
 dist.init_process_group("gloo", timeout=timeout)
 rank, world = dist.get_rank(), dist.get_world_size()
 for step in range(1, 6):
+    if step == 3 and mode == "segv_all":
+        os.kill(os.getpid(), signal.SIGSEGV)  # EVERY_RANK_SEGV
     if step == 3 and rank == world - 1:
         if mode in ("pg_timeout", "monitored"):
             time.sleep(30)  # LATE
@@ -79,6 +81,27 @@ def test_a_fatal_signal_is_located_by_the_ranks_faulthandler_dump(tmp_path):
     assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 1), res.report["verdicts"]
     assert verdict["location"] == script_line("# SEGV", script)
     assert verdict["details"]["fatal"]["error"] == "Segmentation fault"
+    assert "rank 0 stopped as a consequence" in verdict["summary"], verdict
+    assert "torch_distributed_debug" not in verdict["details"]
+
+
+def test_a_fatal_signal_in_every_rank_is_each_ranks_own_and_debug_detail_is_named(tmp_path):
+    """Every rank dies of SIGSEGV at one line: none of them "stopped as a consequence". The job ran
+    with TORCH_DISTRIBUTED_DEBUG=DETAIL, whose wrapper crashed DDP's construction on torch 2.13: the
+    verdict says it was set."""
+    script = _job(tmp_path)
+    env = {"MODE": "segv_all", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    res = run_supervised(tmp_path, torchrun(2, str(script)), env=env)
+    verdicts = res.report["verdicts"]
+    assert [v["kind"] for v in verdicts] == ["crash"], verdicts
+    verdict = verdicts[0]
+    other = 1 - verdict["culprit_rank"]
+    assert verdict["location"] == script_line("# EVERY_RANK_SEGV", script)
+    assert verdict["details"]["same_error"] == [other], verdict
+    assert f"rank {other} died of the same signal there itself" in verdict["summary"], verdict
+    assert "consequence" not in verdict["summary"], verdict
+    assert verdict["details"]["torch_distributed_debug"] == "DETAIL"
+    assert any("TORCH_DISTRIBUTED_DEBUG=DETAIL" in line for line in verdict["evidence"]), verdict
 
 
 def test_os_exit_writes_the_exit_and_names_its_line(tmp_path):
@@ -155,7 +178,10 @@ def test_an_injected_fault_that_never_fired_is_said(tmp_path):
     """The run is fine, but a fault meant to test it never happened: that must not read as a pass."""
     script = _job(tmp_path)
     res = run_supervised(
-        tmp_path, torchrun(2, str(script)), env={"MODE": "none"}, fault="kill:rank=1,seq=99;sleep:rank=0,seconds=0,seq=2"
+        tmp_path,
+        torchrun(2, str(script)),
+        env={"MODE": "none"},
+        fault="kill:rank=1,seq=99;sleep:rank=0,seconds=0,seq=2",
     )
     assert res.returncode == 0 and res.report["verdicts"] == [], res.stderr
     assert "the injected fault 'kill:rank=1,seq=99' never fired" in res.stderr

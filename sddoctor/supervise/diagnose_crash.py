@@ -186,13 +186,35 @@ def _own_error(rank: RankState) -> str | None:
 
 
 def _same_error(state: RunState, primary: RankState, others: list[int]) -> list[int]:
-    """The ranks of `others` that raised the primary's error type themselves: not consequences of
-    it, since every rank ran into it (a bug in code all ranks run, such as DDP's unused-parameter
-    error)."""
+    """The ranks of `others` that raised the primary's error type themselves, or died of its fatal
+    signal at its line: not consequences of it, since every rank ran into it (a bug in code all
+    ranks run, such as DDP's unused-parameter error, or a native crash in a call every rank makes)."""
     error = _own_error(primary)
     if error is None:
-        return []
+        return _same_fatal_signal(state, primary, others)
     return [r for r in others if r in state.ranks and _own_error(state.ranks[r]) == error]
+
+
+#: Fatal signals a rank raises only by crashing itself. SIGABRT is not one: NCCL's watchdog aborts
+#: the peers of a rank that died with it, as a consequence.
+_OWN_CRASH_SIGNALS = frozenset({int(signal.SIGSEGV), int(signal.SIGBUS)})
+
+
+def _same_fatal_signal(state: RunState, primary: RankState, others: list[int]) -> list[int]:
+    """The ranks of `others` that died of the primary's SIGSEGV or SIGBUS at the same line of their
+    fatal-signal dumps (no injected fault in either)."""
+    sig = (rank_exit(primary, state) or {}).get("signal")
+    where = _fatal_frame(primary)
+    if sig is None or int(sig) not in _OWN_CRASH_SIGNALS or where is None or fault_of(primary, ("kill",)):
+        return []
+    same = []
+    for r in others:
+        rank = state.ranks.get(r)
+        if rank is None or rank.exception or fault_of(rank, ("kill",)):
+            continue
+        if (rank_exit(rank, state) or {}).get("signal") == sig and _fatal_frame(rank) == where:
+            same.append(r)
+    return same
 
 
 #: How long after the peer that lost it a rank's own exit record may come (it closes its connections
@@ -418,10 +440,7 @@ def _crash_verdict(
     common = exception_known_error(state, exc)
     if common is not None:  # the cause, next to the error that hides it
         summary += common.summary_clause()
-    if same_error:
-        themselves = "themselves" if len(same_error) > 1 else "itself"
-        summary += f"; rank{'s' if len(same_error) > 1 else ''} {join_ranks(same_error)} raised the same "
-        summary += f"{_own_error(rank)} {themselves}"
+    summary += _same_error_clause(rank, same_error)
     host_oom = host_oom_finding(
         state,
         rank.pid,
@@ -431,9 +450,14 @@ def _crash_verdict(
     )
     if host_oom is not None:
         summary += host_oom[0]
+    debug_detail = _under_debug_detail(rank, exit_info) and not killed_by_fault(fault, exit_info)
+    if debug_detail:
+        summary += _DEBUG_DETAIL_CLAUSE
     if consequences:
         summary += f"; rank{'s' if len(consequences) > 1 else ''} {join_ranks(consequences)} stopped as a consequence"
     evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
+    if debug_detail:
+        evidence.append(_DEBUG_DETAIL_EVIDENCE)
     if host_oom is not None:
         evidence.append(HOST_OOM_ADVICE)
     if common is not None:
@@ -442,6 +466,8 @@ def _crash_verdict(
     if not traceback and len(state.ranks) <= 1:
         traceback = last_traceback(state.stderr_tail)
     details = _crash_details(rank, exit_info, traceback, consequences, same_error, host_oom, common, nested)
+    if debug_detail:
+        details["torch_distributed_debug"] = "DETAIL"
     severity = "error"
     after_dump = _after_dump(state, rank, exit_info)
     if after_dump is not None:
@@ -459,6 +485,36 @@ def _crash_verdict(
         details=details,
         evidence=evidence,
     )
+
+
+def _same_error_clause(rank: RankState, same_error: list[int]) -> str:
+    """'; rank 1 raised the same RuntimeError itself' (or died of the same signal) for the summary."""
+    if not same_error:
+        return ""
+    themselves = "themselves" if len(same_error) > 1 else "itself"
+    error = _own_error(rank)
+    what = f"raised the same {error}" if error else "died of the same signal there"
+    return f"; rank{'s' if len(same_error) > 1 else ''} {join_ranks(same_error)} {what} {themselves}"
+
+
+def _under_debug_detail(rank: RankState, exit_info: dict[str, Any] | None) -> bool:
+    """Whether `rank` died of a fatal signal with TORCH_DISTRIBUTED_DEBUG=DETAIL in its environment."""
+    sig = (exit_info or {}).get("signal")
+    if sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
+        return False
+    return rank.comm_env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
+
+
+# TORCH_DISTRIBUTED_DEBUG=DETAIL is the usual first step when debugging a hang; with torch 2.13's CPU
+# build and gloo, every rank that constructed a DDP model under it died of SIGSEGV in that call (the
+# same script without it ran).
+_DEBUG_DETAIL_CLAUSE = "; TORCH_DISTRIBUTED_DEBUG=DETAIL was set, which can crash a rank by itself"
+_DEBUG_DETAIL_EVIDENCE = (
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every process group in a checking wrapper that runs extra "
+    "collectives; with torch 2.13 (CPU, gloo) every rank constructing a DDP model under it died of "
+    "SIGSEGV. Run once with TORCH_DISTRIBUTED_DEBUG=INFO or unset to see whether the crash is the "
+    "wrapper's"
+)
 
 
 _AFTER_DUMP_CLAUSE = (

@@ -108,6 +108,9 @@ class RankState:
     internal_errors: list[dict[str, Any]] = field(default_factory=list)
     #: Where this rank's Python keeps its libraries (from its `start` event; see sddoctor.codepaths).
     code_roots: dict[str, Any] | None = None
+    #: The communication variables of its environment (NCCL_*, TORCH_DISTRIBUTED_*, ...: its `start`
+    #: event's `comm_env`).
+    comm_env: dict[str, str] = field(default_factory=dict)
     #: A spawned worker's `spawned_at` (its `start` event): the user's line that started the workers.
     spawned_at: str | None = None
     #: The last fatal-signal dump (`fatal_dump.FatalDump.to_dict()`): {error, frames innermost first}.

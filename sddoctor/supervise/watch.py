@@ -245,6 +245,8 @@ class Watcher:
         elif kind == "start":
             if isinstance(event.get("code_roots"), dict):
                 rank.code_roots = event["code_roots"]
+            if isinstance(event.get("comm_env"), dict):
+                rank.comm_env = {str(k): str(v) for k, v in event["comm_env"].items()}
             if isinstance(event.get("spawned_at"), str):
                 rank.spawned_at = event["spawned_at"]
             if isinstance(event.get("world_size"), int):
