@@ -36,6 +36,8 @@ for step in range(1, 6):
                 sys.exit(1)  # the usual end of a script that reports its own errors
     if mode == "monitored":
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=3))  # MONITORED
+    elif mode == "wrong_op" and step == 3 and rank == world - 1:
+        dist.broadcast(torch.ones(4), src=0)  # WRONG_OP
     else:
         dist.all_reduce(torch.ones(4))  # ALL_REDUCE
 dist.destroy_process_group()
@@ -102,6 +104,24 @@ def test_a_fatal_signal_in_every_rank_is_each_ranks_own_and_debug_detail_is_name
     assert "consequence" not in verdict["summary"], verdict
     assert verdict["details"]["torch_distributed_debug"] == "DETAIL"
     assert any("TORCH_DISTRIBUTED_DEBUG=DETAIL" in line for line in verdict["evidence"]), verdict
+
+
+def test_a_different_collective_under_debug_detail_is_named_from_the_wrappers_error(tmp_path):
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL the last of 3 ranks broadcasts where the others
+    all-reduce: torch's wrapper raises "Detected mismatch between collectives" on every rank before
+    the call runs. The verdict gives each rank's op and line from those errors, and names the rank
+    whose call no other rank made."""
+    script = _job(tmp_path)
+    env = {"MODE": "wrong_op", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    res = run_supervised(tmp_path, torchrun(3, str(script)), env=env)
+    verdicts = res.report["verdicts"]
+    assert [(v["kind"], v["culprit_rank"]) for v in verdicts] == [("hang.mismatch", 2)], verdicts
+    verdict = verdicts[0]
+    assert verdict["location"] == script_line("# WRONG_OP", script)
+    assert f"rank 2: broadcast [4] at {script_line('# WRONG_OP', script)}" in verdict["summary"], verdict
+    assert f"rank 0: all_reduce [4] at {script_line('# ALL_REDUCE', script)}" in verdict["summary"], verdict
+    fingerprints = verdict["details"]["detail_fingerprints"]
+    assert [fingerprints[r]["op"] for r in ("0", "1", "2")] == ["all_reduce", "all_reduce", "broadcast"]
 
 
 def test_os_exit_writes_the_exit_and_names_its_line(tmp_path):

@@ -9,6 +9,7 @@ import signal
 from typing import Any
 
 from sddoctor.codepaths import first_user_frame
+from sddoctor.supervise import debug_detail
 from sddoctor.supervise.callhistory import blocked_call
 from sddoctor.supervise.comm_errors import KnownError, known_error
 from sddoctor.supervise.diagnose_base import (
@@ -26,6 +27,7 @@ from sddoctor.supervise.diagnose_base import (
     fault_of,
     join_ranks,
     killed_by_fault,
+    lone_rank,
     raised_text,
     rank_exit,
     roots_of,
@@ -450,14 +452,14 @@ def _crash_verdict(
     )
     if host_oom is not None:
         summary += host_oom[0]
-    debug_detail = _under_debug_detail(rank, exit_info) and not killed_by_fault(fault, exit_info)
-    if debug_detail:
-        summary += _DEBUG_DETAIL_CLAUSE
+    under_detail = _under_debug_detail(rank, exit_info) and not killed_by_fault(fault, exit_info)
+    if under_detail:
+        summary += debug_detail.CRASH_CLAUSE
     if consequences:
         summary += f"; rank{'s' if len(consequences) > 1 else ''} {join_ranks(consequences)} stopped as a consequence"
     evidence = _crash_evidence(state, rank, exit_info, fault, fatal_frame)
-    if debug_detail:
-        evidence.append(_DEBUG_DETAIL_EVIDENCE)
+    if under_detail:
+        evidence.append(debug_detail.CRASH_EVIDENCE)
     if host_oom is not None:
         evidence.append(HOST_OOM_ADVICE)
     if common is not None:
@@ -466,7 +468,7 @@ def _crash_verdict(
     if not traceback and len(state.ranks) <= 1:
         traceback = last_traceback(state.stderr_tail)
     details = _crash_details(rank, exit_info, traceback, consequences, same_error, host_oom, common, nested)
-    if debug_detail:
+    if under_detail:
         details["torch_distributed_debug"] = "DETAIL"
     severity = "error"
     after_dump = _after_dump(state, rank, exit_info)
@@ -500,21 +502,7 @@ def _same_error_clause(rank: RankState, same_error: list[int]) -> str:
 def _under_debug_detail(rank: RankState, exit_info: dict[str, Any] | None) -> bool:
     """Whether `rank` died of a fatal signal with TORCH_DISTRIBUTED_DEBUG=DETAIL in its environment."""
     sig = (exit_info or {}).get("signal")
-    if sig is None or int(sig) not in _DUMP_CRASH_SIGNALS:
-        return False
-    return rank.comm_env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
-
-
-# TORCH_DISTRIBUTED_DEBUG=DETAIL is the usual first step when debugging a hang; with torch 2.13's CPU
-# build and gloo, every rank that constructed a DDP model under it died of SIGSEGV in that call (the
-# same script without it ran).
-_DEBUG_DETAIL_CLAUSE = "; TORCH_DISTRIBUTED_DEBUG=DETAIL was set, which can crash a rank by itself"
-_DEBUG_DETAIL_EVIDENCE = (
-    "TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every process group in a checking wrapper that runs extra "
-    "collectives; with torch 2.13 (CPU, gloo) every rank constructing a DDP model under it died of "
-    "SIGSEGV. Run once with TORCH_DISTRIBUTED_DEBUG=INFO or unset to see whether the crash is the "
-    "wrapper's"
-)
+    return sig is not None and int(sig) in _DUMP_CRASH_SIGNALS and debug_detail.set_to_detail(rank)
 
 
 _AFTER_DUMP_CLAUSE = (
@@ -687,7 +675,7 @@ def diagnose_crash_mismatch(state: RunState) -> Verdict | None:
     messages = [str((r.exception or {}).get("message", "")) for r in state.ranks.values()]
     if not (_MISMATCH_TEXT.search(text) or any(_MISMATCH_TEXT.search(m) for m in messages)):
         return None
-    verdict = mismatch_from_sightings(state)
+    verdict = mismatch_from_sightings(state) or _fingerprint_mismatch(state)
     if verdict is None:
         summary = "ranks disagree on a collective (the backend reported a size mismatch and aborted)"
         positions = _last_positions(state)
@@ -697,6 +685,36 @@ def diagnose_crash_mismatch(state: RunState) -> Verdict | None:
     verdict.details["ended"] = "crash"
     verdict.evidence.append("the backend aborted: " + _first_match(_MISMATCH_TEXT, [text, *messages]))
     return verdict
+
+
+def _fingerprint_mismatch(state: RunState) -> Verdict | None:
+    """The calls the ranks disagreed on, from TORCH_DISTRIBUTED_DEBUG=DETAIL's errors: each rank's op
+    and shapes from the wrapper's fingerprints, its line from its own exception. The culprit is the
+    one rank whose call no other rank made (none with two ranks: either may be the wrong one)."""
+    ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
+    calls = debug_detail.fingerprinted_calls(ranks)
+    if len({c.describe() for c in calls.values()}) < 2:
+        return None
+    locations = {r.rank: exception_location(r.exception, r) for r in ranks if r.rank in calls}
+    culprit = lone_rank({r: c.describe() for r, c in calls.items()})
+    said = [
+        f"rank {r}: {c.describe()}" + (f" at {locations[r]}" if locations.get(r) else "")
+        for r, c in sorted(calls.items())
+    ]
+    summary = (
+        "ranks disagree on a collective (TORCH_DISTRIBUTED_DEBUG=DETAIL's check raised it on "
+        f"every rank before the call ran): {'; '.join(said)}"
+    )
+    if culprit is not None:
+        summary += f". Rank {culprit} alone made its call"
+    return Verdict(
+        kind="hang.mismatch",
+        severity="error",
+        summary=summary,
+        culprit_rank=culprit,
+        location=locations.get(culprit) if culprit is not None else None,
+        details={"detail_fingerprints": debug_detail.mismatch_details(calls, locations)},
+    )
 
 
 def _last_positions(state: RunState) -> list[str]:
