@@ -702,8 +702,8 @@ def _fingerprint_mismatch(state: RunState) -> Verdict | None:
         for r, c in sorted(calls.items())
     ]
     summary = (
-        "ranks disagree on a collective (TORCH_DISTRIBUTED_DEBUG=DETAIL's check raised it on "
-        f"every rank before the call ran): {'; '.join(said)}"
+        "ranks disagree on a collective (TORCH_DISTRIBUTED_DEBUG=DETAIL's check raised it before "
+        f"the call ran): {'; '.join(said)}"
     )
     if culprit is not None:
         summary += f". Rank {culprit} alone made its call"
