@@ -11,6 +11,8 @@ Under compiled autograd with DDP's Python reducer, DDP calls comm hooks per para
 
 A comm hook registered after the model's first forward (a sanity check under no_grad) used to meet
 sddoctor's own hook, installed at that forward, and DDP refused the second one: the program died.
+A built-in one registered then is done by sddoctor's hook, with DDP's arithmetic: the trained
+parameters are bitwise those of the same program without sddoctor.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 import pytest
 from client_fixtures import CLIENTS, sddoctor_tracebacks
 from supervise_fixtures import Supervised, run_side_by_side, run_supervised, torchrun
+
+from conftest import run_to_end, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -106,3 +110,17 @@ def test_compiled_autograd_with_the_python_reducer_trains_and_counts_its_steps(r
     for rank in (0, 1):
         steps = res.events(rank, "step")
         assert [(s["step"], s["samples"]) for s in steps] == [(n, 8) for n in range(1, STEPS + 1)], steps
+
+
+@pytest.mark.parametrize("form", ["builtin-after-eval", "accum-synced"])
+def test_sddoctors_hook_trains_bitwise_as_ddps_own(runs: dict[str, Any], form: str) -> None:
+    """accum-synced: sddoctor's hook in place of DDP's C++ all-reduce; builtin-after-eval: its
+    fp16 compression in place of DDP's built-in FP16_COMPRESS hook."""
+    env = subprocess_env(FORM=form, STEPS=str(STEPS), BATCH=str(BATCH))
+    code, plain = run_to_end(torchrun(2, "--standalone", str(SCRIPT)), timeout=120, env=env)
+    assert code == 0, plain[-3000:]
+    res = runs[form]
+    for rank in (0, 1):
+        expected = [line for line in plain.splitlines() if line.startswith(f"rank {rank} parameters ")]
+        assert len(expected) == 1, plain[-3000:]
+        assert expected[0] in res.stdout + res.stderr, (expected, res.stdout[-2000:])

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from sddoctor.codepaths import current_roots
+from sddoctor.instrument import backend_callbacks
 from sddoctor.instrument.faults import Fault, FaultSpecError, exit_if_outside_world, faults_from_env
 from sddoctor.instrument.safety import flush_pending, guarded, internal_error
 from sddoctor.telemetry.environment import comm_env
@@ -630,9 +631,14 @@ def _initialized_rank() -> tuple[int, bool]:
 
 def _close_at_exit(session: RankSession) -> None:
     global _session
-    session.close()
-    if _session is session:
-        _session = None
+    try:
+        session.close()
+    finally:
+        if _session is session:
+            _session = None
+        # after the exit event is written: the backend's threads must have let go of sddoctor's
+        # callbacks before the interpreter ends, or the rank aborts (see backend_callbacks)
+        backend_callbacks.wait_until_released()
 
 
 def active() -> RankSession | None:

@@ -12,7 +12,8 @@ hook at every DDP model's first forward, unless a comm hook was registered on it
 user's own, or the OOM guard's); `install_comm_hook(ddp, state)` on a model that already carries
 this hook takes it over instead of registering a second one. A comm hook the user registers on a
 model that already carries this hook runs from inside it, in place of its all-reduce
-(`adopt_user_hook`), since DDP would refuse it.
+(`adopt_user_hook`), since DDP would refuse it; a built-in one (ALLREDUCE, FP16_COMPRESS) is done by
+this hook itself, with the same arithmetic as DDP's C++ hook.
 
 What it adds to the plain all-reduce, all in memory and without a lock (the hook runs on the
 autograd thread; counters are plain ints under the GIL):
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from sddoctor.instrument import tracing
+from sddoctor.instrument.backend_callbacks import BackendCallback
 from sddoctor.instrument.safety import internal_error
 
 
@@ -74,6 +76,8 @@ class CommHookState:
         #: (state, hook) of a comm hook the user registered after this one was installed: DDP takes
         #: one hook per model, so this hook runs the user's in place of its own all-reduce
         self.user_hook: tuple[Any, Callable[..., Any]] | None = None
+        #: a built-in hook the user registered after this one: "ALLREDUCE" or "FP16_COMPRESS"
+        self.builtin: str | None = None
         #: compiled autograd's Python reducer calls the hook per parameter: no bucket ends a backward
         self.per_parameter = False
 
@@ -133,8 +137,11 @@ def _averaging_allreduce_hook(state, bucket):
     if state.user_hook is not None:
         return _run_user_hook(state, bucket, last)
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    # Same arithmetic as DDP's default hook: divide first, then sum (bitwise identical results).
-    buffer.div_(dist.get_world_size(group))
+    # Same arithmetic as DDP's default hook (and its FP16_COMPRESS hook, which casts first):
+    # divide first, then sum, so the results are bitwise identical.
+    compressed = state.builtin == "FP16_COMPRESS"
+    sent = buffer.to(torch.float16) if compressed else buffer
+    sent.div_(dist.get_world_size(group))
     started = time.perf_counter()
 
     def _done(fut):
@@ -145,11 +152,13 @@ def _averaging_allreduce_hook(state, bucket):
         except Exception as exc:  # noqa: BLE001
             internal_error("ddp comm hook completion", exc)
         # As DDP's default hook does; a failed all-reduce raises here exactly as it would there.
-        return fut.value()[0]
+        result = fut.value()[0]
+        return buffer.copy_(result) if compressed else result
 
     if index == 0 or state.caller is None:
         state.caller = tracing.caller_of_backward()  # the same for every bucket of this backward
-    fut = tracing.bucket_all_reduce(buffer, group, state.caller).get_future().then(_done)
+    # counted until gloo's thread drops it: a drop after the interpreter ended would abort the rank
+    fut = tracing.bucket_all_reduce(sent, group, state.caller).get_future().then(BackendCallback(_done))
     if last:
         _after_last_launch(state)
     return fut
@@ -177,41 +186,36 @@ def adopt_user_hook(ddp_model: Any, method: str, args: tuple, kwargs: dict) -> b
     (no sddoctor hook on the model, or a second registration, which DDP refuses as it would anyway).
     The user's hook goes through DDP's own checks first, so a hook DDP rejects is still rejected."""
     state = installed_state(ddp_model)
-    if state is None or state.user_hook is not None:
+    if state is None or state.user_hook is not None or state.builtin is not None:
         return False
-    user_hook = _user_hook_of(ddp_model, method, args, kwargs)
-    if user_hook is None:
-        return False
-    if method == "register_comm_hook" and hasattr(ddp_model, "_check_comm_hook"):
-        ddp_model._check_comm_hook(user_hook[1])  # raises what DDP raises for a bad hook
-    state.user_hook = user_hook
+    if method == "register_comm_hook":
+        user_hook = _user_hook_of(args, kwargs)
+        if user_hook is None:
+            return False
+        if hasattr(ddp_model, "_check_comm_hook"):
+            ddp_model._check_comm_hook(user_hook[1])  # raises what DDP raises for a bad hook
+        state.user_hook = user_hook
+        name = getattr(user_hook[1], "__qualname__", None) or repr(user_hook[1])
+    else:
+        # done here, not by torch's Python versions of these hooks: their future callbacks would
+        # be Python objects on gloo's thread that DDP's C++ hook never has (see backend_callbacks)
+        kind: Any = args[0] if args else kwargs.get("comm_hook_type")
+        builtin = getattr(kind, "name", None)
+        if builtin not in ("ALLREDUCE", "FP16_COMPRESS"):
+            return False
+        state.builtin = builtin
+        name = str(kind)  # as DDP names it
     try:
-        name = getattr(user_hook[1], "__qualname__", None) if method == "register_comm_hook" else None
-        ddp_model.logger._set_comm_hook_name(name or str(args[0] if args else kwargs.get("comm_hook_type")))
+        ddp_model.logger._set_comm_hook_name(name)
     except Exception as exc:  # noqa: BLE001 - DDP's logging only
         internal_error("ddp comm hook name", exc)
     return True
 
 
-def _user_hook_of(
-    ddp_model: Any, method: str, args: tuple, kwargs: dict
-) -> tuple[Any, Callable[..., Any]] | None:
-    """(state, hook) of a registration call; a built-in C++ hook as its Python equivalent."""
-    try:
-        if method == "register_comm_hook":
-            bound = dict(zip(("state", "hook"), args, strict=False)) | kwargs
-            return (bound["state"], bound["hook"]) if callable(bound.get("hook")) else None
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        kind: Any = args[0] if args else kwargs.get("comm_hook_type")
-        python_hook = {
-            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
-        }.get(kind)
-        return (ddp_model.process_group, python_hook) if python_hook is not None else None
-    except Exception as exc:  # noqa: BLE001 - DDP then takes the call as it came
-        internal_error("ddp comm hook registration", exc)
-        return None
+def _user_hook_of(args: tuple, kwargs: dict) -> tuple[Any, Callable[..., Any]] | None:
+    """(state, hook) of a `register_comm_hook` call, or None when it names no callable hook."""
+    bound = dict(zip(("state", "hook"), args, strict=False)) | kwargs
+    return (bound["state"], bound["hook"]) if callable(bound.get("hook")) else None
 
 
 def _reduce_one_gradient(state: CommHookState, grad_and_param: tuple) -> None:
@@ -227,7 +231,8 @@ def _reduce_one_gradient(state: CommHookState, grad_and_param: tuple) -> None:
 
     grad = grad_and_param[0]
     group: Any = state.process_group if state.process_group is not None else dist.group.WORLD
-    grad.copy_(fcol.all_reduce(grad / group.size(), "sum", group))
+    sent = grad.to(torch.float16) if state.builtin == "FP16_COMPRESS" else grad
+    grad.copy_(fcol.all_reduce(sent / group.size(), "sum", group))
 
 
 def _account_launch(state: CommHookState, index: int, buffer: torch.Tensor, last: bool) -> None:

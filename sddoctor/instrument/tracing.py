@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots
+from sddoctor.instrument.backend_callbacks import BackendCallback
 from sddoctor.instrument.faults import Fault
 from sddoctor.instrument.safety import internal_error, is_injected
 from sddoctor.telemetry.schema import EventKind
@@ -483,7 +484,7 @@ class Tracer:
                 pass
 
         try:
-            work.get_future().add_done_callback(done)
+            work.get_future().add_done_callback(BackendCallback(done))
         except Exception:  # noqa: BLE001 - a Work without a future is polled as before
             pass
 

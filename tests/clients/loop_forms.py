@@ -7,8 +7,8 @@ fp16_compress_hook registered right after construction), unused (find_unused_par
 branch used every other step), static (static_graph=True, a branch never used), join (Join with uneven inputs: rank 1
 has 3 fewer batches), zero (ZeroRedundancyOptimizer), accum-synced (gradient accumulation over 2
 micro-batches without no_sync: every backward all-reduces, one optimizer step).
-Environment: STEPS (12), BATCH (8). Each rank prints how often the user's hook ran and whether its
-last gradients were float16 values (fp16 compression ran).
+Environment: STEPS (12), BATCH (8). Each rank prints how often the user's hook ran, whether its
+last gradients were float16 values (fp16 compression ran) and the sum of its trained parameters.
 """
 
 import contextlib
@@ -98,6 +98,8 @@ def main():
             fp16 = all(torch.equal(g, g.half().float()) for g in grads)
             optimizer.step()
     print(f"rank {rank} hook calls {state['calls']} fp16 gradients {fp16}", flush=True)
+    checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+    print(f"rank {rank} parameters {checksum!r}", flush=True)
     dist.destroy_process_group()
     print(f"rank {rank} done", flush=True)
 
