@@ -4,7 +4,8 @@ Two real gloo ranks with `ddp_patch` active (as under `sddoctor run`): the boots
 at the first forward and counts buckets (`ddp_hook.stats()`), a user's own comm hook registered
 after construction is accepted (sddoctor's then stays off), and the OOM guard both wraps a model
 built under the patch and takes over a hook that was installed before it (its fault injection and
-recovery run through the taken-over hook).
+recovery run through the taken-over hook). A rank that failed mid-step completes the buckets of a
+model under DDP's built-in FP16 hook in float16, as its peers send them.
 """
 
 from __future__ import annotations
@@ -111,3 +112,66 @@ def test_bootstrap_hook_user_hook_and_guard_take_over(tmp_path: Path) -> None:
         assert out["micro_batch"] == 2  # the fault fired through the taken-over hook; both ranks fell back
         assert out["guard_buckets"] >= 3
     assert ranks[0]["params"] == ranks[1]["params"]
+
+
+FP16_WORKER = r"""
+import json, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from sddoctor.instrument import ddp_hook
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), bucket_cap_mb=0.0005)
+state = ddp_hook.install(model)
+# the user registers DDP's built-in FP16 hook on a model that already carries sddoctor's
+adopted = ddp_hook.adopt_user_hook(model, "_register_builtin_comm_hook", (dist.BuiltinCommHookType.FP16_COMPRESS,), {})
+for _ in range(2):  # the layout is final after two full backwards
+    model.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+model.zero_grad()
+state.begin_step()
+if rank == 0:
+    # rank 0's step failed before its backward: it completes every bucket with zeros
+    posted = ddp_hook.complete_missing_buckets(model, state)
+    grads = None
+else:
+    posted = 0
+    torch.manual_seed(1)
+    model(torch.randn(4, 8)).sum().backward()
+    grads = [p.grad.flatten().tolist() for p in model.parameters()]
+json.dump({"adopted": adopted, "posted": posted, "buckets": len(state.layout), "grads": grads},
+          open(sys.argv[1] + f"/rank{rank}.json", "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_missing_buckets_of_an_fp16_compressed_model_go_as_float16(tmp_path: Path) -> None:
+    """A rank that failed mid-step completes the buckets it never sent with zeros of the dtype its
+    peers send: float16 under DDP's built-in FP16 hook (as float32, gloo would abort on the sizes).
+    The surviving rank's gradients are then its own, halved, through float16."""
+    script = tmp_path / "worker.py"
+    script.write_text(FP16_WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run(
+        [*cmd, str(script), str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["adopted"] is True and ranks[0]["buckets"] >= 2
+    assert ranks[0]["posted"] == ranks[0]["buckets"]
+    import torch
+
+    torch.manual_seed(0)  # no optimizer ran: the parameters are the initial ones
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    torch.manual_seed(1)
+    net(torch.randn(4, 8)).sum().backward()
+    expected = [p.grad.half().div(2).float().flatten().tolist() for p in net.parameters()]
+    assert ranks[1]["grads"] == expected

@@ -412,7 +412,9 @@ def complete_missing_buckets(
         need = max(b.numel for b in missing if (b.dtype, b.device) == key)
         buf = scratch.get(key)
         if buf is None:
-            buf = scratch[key] = torch.zeros(need, dtype=info.dtype, device=info.device)
+            # the peers send what the hook sends: a compressed bucket goes as float16
+            dtype = torch.float16 if state.builtin == "FP16_COMPRESS" else info.dtype
+            buf = scratch[key] = torch.zeros(need, dtype=dtype, device=info.device)
         else:
             buf.zero_()  # the previous all-reduce wrote the other ranks' sum into it
         dist.all_reduce(buf[: info.numel], group=group, async_op=True).wait()
