@@ -13,10 +13,14 @@ A comm hook registered after the model's first forward (a sanity check under no_
 sddoctor's own hook, installed at that forward, and DDP refused the second one: the program died.
 A built-in one registered then is done by sddoctor's hook, with DDP's arithmetic: the trained
 parameters are bitwise those of the same program without sddoctor.
+
+torch.compile(DDP(model)), whose DDPOptimizer splits the compiled graph at the buckets, trains
+with its steps and every bucket counted, bitwise as without sddoctor.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SCRIPT = CLIENTS / "loop_forms.py"
 DCGAN = CLIENTS / "dcgan_style.py"
 COMPILED_AUTOGRAD = CLIENTS / "compiled_autograd.py"
-OTHER_SCRIPTS = {"dcgan": DCGAN, "compiled-autograd": COMPILED_AUTOGRAD}
+COMPILED_DDP = CLIENTS / "compiled_ddp.py"
+OTHER_SCRIPTS = {"dcgan": DCGAN, "compiled-autograd": COMPILED_AUTOGRAD, "compiled-ddp": COMPILED_DDP}
 STEPS, BATCH = 12, 8
 #: form -> (steps of rank 0, steps of rank 1, hook calls a rank prints, fp16 gradients)
 FORMS: dict[str, tuple[int, int, int, bool]] = {
@@ -112,15 +117,40 @@ def test_compiled_autograd_with_the_python_reducer_trains_and_counts_its_steps(r
         assert [(s["step"], s["samples"]) for s in steps] == [(n, 8) for n in range(1, STEPS + 1)], steps
 
 
-@pytest.mark.parametrize("form", ["builtin-after-eval", "accum-synced"])
+def test_a_compiled_ddp_model_trains_with_its_steps_and_buckets_counted(runs: dict[str, Any]) -> None:
+    """torch.compile(DDP(model)): Dynamo's DDPOptimizer splits the graph at the buckets. Each step
+    is counted once, at the end of its backward, and every bucket goes through sddoctor's hook:
+    one bucket in the first step, two in every later one (after DDP rebuilt them)."""
+    res = runs["compiled-ddp"]
+    log_file = res.run_dir / "stderr.log"
+    logs = res.stderr + (log_file.read_text() if log_file.exists() else "")
+    assert res.returncode == 0, logs[-3000:]
+    assert res.report["verdicts"] == [], res.report["verdicts"]
+    assert "internal error" not in logs and not sddoctor_tracebacks(logs), logs[-3000:]
+    for rank in (0, 1):
+        steps = res.events(rank, "step")
+        assert [(s["step"], s["samples"]) for s in steps] == [(n, BATCH) for n in range(1, STEPS + 1)], steps
+        summary = res.events(rank, "collective")[-1]
+        assert summary["ddp_buckets"] == 1 + 2 * (STEPS - 1), summary
+
+
+@pytest.mark.parametrize("form", ["builtin-after-eval", "accum-synced", "compiled-ddp"])
 def test_sddoctors_hook_trains_bitwise_as_ddps_own(runs: dict[str, Any], form: str) -> None:
-    """accum-synced: sddoctor's hook in place of DDP's C++ all-reduce; builtin-after-eval: its
-    fp16 compression in place of DDP's built-in FP16_COMPRESS hook."""
+    """accum-synced and compiled-ddp: sddoctor's hook in place of DDP's C++ all-reduce;
+    builtin-after-eval: its fp16 compression in place of DDP's built-in FP16_COMPRESS hook."""
     env = subprocess_env(FORM=form, STEPS=str(STEPS), BATCH=str(BATCH))
-    code, plain = run_to_end(torchrun(2, "--standalone", str(SCRIPT)), timeout=120, env=env)
+    script = OTHER_SCRIPTS.get(form, SCRIPT)
+    code, plain = run_to_end(torchrun(2, "--standalone", str(script)), timeout=180, env=env)
     assert code == 0, plain[-3000:]
     res = runs[form]
     for rank in (0, 1):
-        expected = [line for line in plain.splitlines() if line.startswith(f"rank {rank} parameters ")]
+        # the ranks share one pipe, unbuffered: a line's newline may come after the other's line
+        expected = re.findall(rf"rank {rank} parameters ({_FLOAT})", plain)
         assert len(expected) == 1, plain[-3000:]
-        assert expected[0] in res.stdout + res.stderr, (expected, res.stdout[-2000:])
+        assert re.findall(rf"rank {rank} parameters ({_FLOAT})", res.stdout + res.stderr) == expected, (
+            expected,
+            res.stdout[-2000:],
+        )
+
+
+_FLOAT = r"-?\d+\.\d+(?:e[-+]?\d+)?"
