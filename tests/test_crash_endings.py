@@ -1,5 +1,6 @@
 """How ranks end, from real runs: a job's own timeout that ends a hang before sddoctor declares it,
-monitored_barrier's report, fatal signals, os._exit, and a usage error found only inside the ranks."""
+monitored_barrier's report, fatal signals (in the loop, and in the interpreter's shutdown after a
+clean end), os._exit, and a usage error found only inside the ranks."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ for step in range(1, 6):
     else:
         dist.all_reduce(torch.ones(4))  # ALL_REDUCE
 dist.destroy_process_group()
+
+
+class AbortsWhenFreed:  # as a C++ thread that takes the GIL after Python is gone
+    def __del__(self):
+        os.abort()  # SHUTDOWN_ABORT
+
+
+if mode == "shutdown_abort" and rank == 0:
+    left_for_shutdown = AbortsWhenFreed()  # a module global: freed in the interpreter's shutdown
 """
 
 #: --hang-timeout above the job's own 3 s timeouts: the job ends the wait, not sddoctor
@@ -85,6 +95,7 @@ def test_a_fatal_signal_is_located_by_the_ranks_faulthandler_dump(tmp_path):
     assert verdict["details"]["fatal"]["error"] == "Segmentation fault"
     assert "rank 0 stopped as a consequence" in verdict["summary"], verdict
     assert "torch_distributed_debug" not in verdict["details"]
+    assert "after_program_end" not in verdict["details"] and "program had ended" not in verdict["summary"]
 
 
 def test_a_fatal_signal_in_every_rank_is_each_ranks_own_and_debug_detail_is_named(tmp_path):
@@ -122,6 +133,22 @@ def test_a_different_collective_under_debug_detail_is_named_from_the_wrappers_er
     assert f"rank 0: all_reduce [4] at {script_line('# ALL_REDUCE', script)}" in verdict["summary"], verdict
     fingerprints = verdict["details"]["detail_fingerprints"]
     assert [fingerprints[r]["op"] for r in ("0", "1", "2")] == ["all_reduce", "all_reduce", "broadcast"]
+
+
+def test_a_rank_that_aborts_after_its_program_ended_is_told_apart(tmp_path):
+    """Rank 0 finishes, destroys its group and dies of SIGABRT in the interpreter's shutdown: the
+    verdict says so, with the advice for it, and does not place it at its last collective."""
+    script = _job(tmp_path)
+    res = run_supervised(tmp_path, torchrun(2, str(script)), env={"MODE": "shutdown_abort"})
+    assert res.returncode == 1, res.stderr[-3000:]
+    [verdict] = res.report["verdicts"]
+    assert (verdict["kind"], verdict["culprit_rank"]) == ("crash", 0), verdict
+    assert "after its program had ended" in verdict["summary"], verdict["summary"]
+    assert "last completed collective" not in verdict["summary"], verdict["summary"]
+    assert verdict["location"] == script_line("# SHUTDOWN_ABORT", script), verdict  # its fatal-signal dump
+    assert verdict["details"]["after_program_end"] is True
+    assert any("exit event says its program ended cleanly" in e for e in verdict["evidence"]), verdict
+    assert any("destroy_process_group" in e for e in verdict["evidence"]), verdict["evidence"]
 
 
 def test_os_exit_writes_the_exit_and_names_its_line(tmp_path):

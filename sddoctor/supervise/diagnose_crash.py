@@ -9,7 +9,7 @@ import signal
 from typing import Any
 
 from sddoctor.codepaths import first_user_frame
-from sddoctor.supervise import debug_detail
+from sddoctor.supervise import debug_detail, shutdown_abort
 from sddoctor.supervise.callhistory import blocked_call
 from sddoctor.supervise.comm_errors import KnownError, known_error
 from sddoctor.supervise.diagnose_base import (
@@ -425,9 +425,11 @@ def _crash_verdict(
     fault = fault_of(rank, ("kill", "raise"))
     exit_call = (exit_info or {}).get("caller") if not exc else None  # sys.exit(failure) in user code
     fatal_frame = _fatal_frame(rank)  # where a fatal signal (SIGSEGV, SIGABRT) struck
+    # its last collective is not where a rank that died on its way out was: no line then
+    after_end = shutdown_abort.died_after_its_end(exit_info) and fault is None
     location = exception_location(exc, rank) or (fault or {}).get("caller") or exit_call or fatal_frame
     place = f" at {location}" if location else ""
-    if not location:
+    if not location and not after_end:
         location, place = _last_known_place(rank, state)
     how = describe_exit(exit_info) if exit_info else "raised an exception"
     if killed_by_fault(fault, exit_info):
@@ -439,6 +441,8 @@ def _crash_verdict(
             how = f"raised {nested.exception[:160]}" + (f" in its {nested.source}" if nested.source else "")
     summary = f"rank {rank.rank} died first: it {how}" if len(state.ranks) > 1 else f"rank {rank.rank} {how}"
     summary += place
+    if after_end:
+        summary += shutdown_abort.CLAUSE
     common = exception_known_error(state, exc)
     if common is not None:  # the cause, next to the error that hides it
         summary += common.summary_clause()
@@ -464,12 +468,16 @@ def _crash_verdict(
         evidence.append(HOST_OOM_ADVICE)
     if common is not None:
         evidence.append(common.advice)
+    if after_end:
+        evidence.extend(shutdown_abort.evidence(rank.rank, exit_info, state.stderr_tail))
     traceback = exc.get("traceback") if exc else None
     if not traceback and len(state.ranks) <= 1:
         traceback = last_traceback(state.stderr_tail)
     details = _crash_details(rank, exit_info, traceback, consequences, same_error, host_oom, common, nested)
     if under_detail:
         details["torch_distributed_debug"] = "DETAIL"
+    if after_end:
+        details["after_program_end"] = True
     severity = "error"
     after_dump = _after_dump(state, rank, exit_info)
     if after_dump is not None:
