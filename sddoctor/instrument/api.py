@@ -638,7 +638,10 @@ def _close_at_exit(session: RankSession) -> None:
             _session = None
         # after the exit event is written: the backend's threads must have let go of sddoctor's
         # callbacks before the interpreter ends, or the rank aborts (see backend_callbacks)
-        backend_callbacks.wait_until_released()
+        try:
+            backend_callbacks.wait_until_released()
+        except KeyboardInterrupt:  # told to stop while waiting (mp.spawn's parent): end quietly
+            pass
 
 
 def active() -> RankSession | None:
