@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -74,6 +75,25 @@ def main_without_torch(module: str, argv: list[str]) -> subprocess.CompletedProc
     return subprocess.run(
         [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=subprocess_env(), timeout=120
     )
+
+
+def two_rank_worker_results(source: str, out_dir: Path, timeout: float = 120) -> list[dict[str, Any]]:
+    """Write `source` to OUT_DIR/worker.py, run it under torchrun with 2 ranks (argv[1] = OUT_DIR,
+    where each rank writes rank{R}.json) and return what rank 0 and rank 1 wrote; fails the test
+    with the job's stderr when it did not end with 0."""
+    script = out_dir / "worker.py"
+    script.write_text(source)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run(
+        [*cmd, str(script), str(out_dir)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def free_port() -> int:

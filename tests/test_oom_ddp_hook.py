@@ -10,12 +10,9 @@ model under DDP's built-in FP16 hook in float16, as its peers send them.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from conftest import REPO_ROOT, subprocess_env
+from conftest import two_rank_worker_results
 
 WORKER = r"""
 import gc, json, sys
@@ -91,19 +88,7 @@ dist.destroy_process_group()
 
 
 def test_bootstrap_hook_user_hook_and_guard_take_over(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run(
-        [*cmd, str(script), str(tmp_path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = two_rank_worker_results(WORKER, tmp_path)
     for out in ranks:
         assert out["before_forward"] is False and out["installed"] is True
         assert out["stats"]["buckets"] >= 1 and out["stats"]["models"] >= 1
@@ -152,19 +137,7 @@ def test_missing_buckets_of_an_fp16_compressed_model_go_as_float16(tmp_path: Pat
     """A rank that failed mid-step completes the buckets it never sent with zeros of the dtype its
     peers send: float16 under DDP's built-in FP16 hook (as float32, gloo would abort on the sizes).
     The surviving rank's gradients are then its own, halved, through float16."""
-    script = tmp_path / "worker.py"
-    script.write_text(FP16_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run(
-        [*cmd, str(script), str(tmp_path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = two_rank_worker_results(FP16_WORKER, tmp_path)
     assert ranks[0]["adopted"] is True and ranks[0]["buckets"] >= 2
     assert ranks[0]["posted"] == ranks[0]["buckets"]
     import torch

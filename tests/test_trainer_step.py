@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import torch
 
-from conftest import REPO_ROOT, subprocess_env
+from conftest import two_rank_worker_results
 from trainer.step import batch_size, split_batch
 
 
@@ -82,27 +78,7 @@ dist.destroy_process_group()
 
 
 def test_accumulation_matches_one_big_micro_batch(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(tmp_path),
-        ],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = two_rank_worker_results(WORKER, tmp_path, timeout=180)
     for per_rank in ranks:
         whole = per_rank["4"]
         assert whole["accum"] == 1 and per_rank["2"]["accum"] == 2 and per_rank["1"]["accum"] == 4
