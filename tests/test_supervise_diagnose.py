@@ -245,6 +245,40 @@ def test_a_frozen_hang_without_the_culprits_stack_is_placed_where_sigterm_found_
     assert place_stackless_culprits([frozen], state) == [frozen]
 
 
+def test_a_rank_frozen_before_its_snapshot_showed_work_is_past_its_start_up() -> None:
+    """Rank 1 froze within a second of DDP's construction: its last snapshot says it is starting,
+    but rank 0 completed calls of the default group, which rank 1 had to join. The hang timeout
+    applies, not the start-up allowance, and the stopped rank is named with its cause."""
+    starting = rank(1, heartbeat=NOW - 8)
+    starting.stack = {**stack("train.py:41"), "stopped": True}
+    state = hung(rank(0, inflight=[call(5)], issued=5, done=call(4)), starting)
+    state.startup_timeout = 900.0
+    assert state.past_startup(1) and not state.in_startup and state.hung
+    (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.missing_rank", 1, "train.py:41"), v.summary
+    assert v.details["frozen_cause"] == "stopped" and "its process is stopped (state T" in v.summary
+    assert "kill -CONT 101" in v.evidence[-1]
+    assert not hung(rank(0, inflight=[call(1, since=NOW - 1)]), rank(1)).past_startup(1)
+
+
+def test_a_call_a_peer_completed_does_not_hold_the_rank_whose_snapshot_is_behind() -> None:
+    """Rank 1's last snapshot has it inside all_reduce #2 since 990; rank 0 completed #2, so rank 1
+    got out of it: the stall is not dated from it, and a frozen rank 1 is not placed inside it."""
+    behind = rank(1, inflight=[call(2)], issued=2, heartbeat=NOW - 3)
+    behind.stack = {**stack("train.py:20"), "main_holds_gil": True}
+    state = hung(rank(0, inflight=[call(3, since=NOW - 6)], issued=3, done=call(2)), behind)
+    state.last_progress = NOW - 6
+    assert state.overtaken(1, behind.snapshot.inflight[0])
+    assert state.blocked_call is not None and state.blocked_call[0] == 0
+    (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert (v.kind, v.culprit_rank, v.details["frozen_cause"]) == ("hang.missing_rank", 1, "holds_gil")
+    assert "inside all_reduce #2" not in v.summary and "holds the GIL in native code" in v.summary
+    assert "which is behind it" in v.evidence[1]
+    # the same snapshot with a fresh heartbeat and no sign of a freeze is not frozen
+    behind.state["heartbeat"], behind.stack = NOW - 3, stack("train.py:20")
+    assert not [x for x in diagnose(state) if "frozen_ranks" in x.details]
+
+
 def test_an_oom_kill_the_kernel_log_does_not_name_is_still_said_from_its_counter() -> None:
     """The kernel log could not be read (dmesg_restrict): the counter moved during the run, and a
     rank that died of SIGKILL is said to have most likely been one of its kills."""

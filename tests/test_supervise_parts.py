@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -57,12 +58,17 @@ def test_watcher_sightings_progress_and_exit(tmp_path):
     assert watcher.state(now=130.0).stalled_for == 13.0
 
 
-def test_py_spy_dump_finds_the_user_frame(tmp_path):
+def _start_waiting_script(tmp_path) -> tuple[Path, subprocess.Popen]:
+    """A Python process asleep in `wait()` (line 4 of its script), once py-spy can read it."""
     if stacks.py_spy_path() is None or stacks.ptrace_problem():
         pytest.skip(f"py-spy cannot attach here: {stacks.ptrace_problem()}")
     script = tmp_path / "stuck.py"
     script.write_text("import time\n\ndef wait():\n    time.sleep(60)\n\nwait()\n")
-    proc = subprocess.Popen([sys.executable, str(script)])
+    return script, subprocess.Popen([sys.executable, str(script)])
+
+
+def test_py_spy_dump_finds_the_user_frame(tmp_path):
+    script, proc = _start_waiting_script(tmp_path)
     try:
         time.sleep(1.0)
         result = stacks.dump_stacks({3: proc.pid}, tmp_path / "stacks", timeout=20)[3]
@@ -74,13 +80,33 @@ def test_py_spy_dump_finds_the_user_frame(tmp_path):
     assert (tmp_path / "stacks" / "rank-00003.json").exists()
 
 
+def test_a_stopped_process_is_read_without_being_resumed(tmp_path):
+    """A process stopped by SIGSTOP (Ctrl-Z, a debugger) is read without attaching: its stack is
+    saved and marked, and it is still stopped afterwards (a SIGCONT would change what the user
+    or their debugger set)."""
+    script, proc = _start_waiting_script(tmp_path)
+    try:
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = stacks.dump_stacks({2: proc.pid}, tmp_path / "stacks", timeout=20)[2]
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED
+    finally:
+        proc.kill()
+        proc.wait()
+    assert result["ok"] and result["stopped"], result
+    assert result["top_user_frame"] == f"{script}:4"
+    assert not result.get("main_holds_gil")  # time.sleep releases it
+
+
 def test_a_dump_that_caught_the_process_mid_change_is_read_again(tmp_path):
     """py-spy's "Failed to get stack traces" (its read caught a thread starting or ending) is
     transient: the dump is taken again rather than leave the hang's culprit without a stack.
     The first call of this py-spy fails so; the next ones are the real py-spy."""
+    script, proc = _start_waiting_script(tmp_path)
     real = stacks.py_spy_path()
-    if real is None or stacks.ptrace_problem():
-        pytest.skip(f"py-spy cannot attach here: {stacks.ptrace_problem()}")
     flaky = tmp_path / "py-spy"
     flaky.write_text(
         "#!/bin/sh\n"
@@ -89,10 +115,7 @@ def test_a_dump_that_caught_the_process_mid_change_is_read_again(tmp_path):
         f'exec "{real}" "$@"\n'
     )
     flaky.chmod(0o755)
-    script = tmp_path / "stuck.py"
-    script.write_text("import time\n\ndef wait():\n    time.sleep(60)\n\nwait()\n")
     (tmp_path / "stacks").mkdir()
-    proc = subprocess.Popen([sys.executable, str(script)])
     try:
         time.sleep(1.0)
         result = stacks._dump_one(

@@ -14,6 +14,7 @@ from sddoctor.instrument.faults import FaultSpecError, parse_faults
 from sddoctor.supervise.comm_errors import KnownError, known_error
 from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import RankState, RunState, Verdict
+from sddoctor.telemetry.snapshot import DEFAULT_GROUP
 
 #: Messages a rank raises when a *peer* went away: such a rank is a victim, not the cause.
 PEER_FAILURE = re.compile(
@@ -287,11 +288,11 @@ def behind_its_snapshot(state: RunState, rank: RankState) -> bool:
     if snap.t is not None and rank.steps and rank.steps[-1][0] > snap.t:
         return True
     before = death_time(rank) - _DEATH_MARGIN
-    issued = snap.issued_on("0") or 0
+    issued = snap.issued_on(DEFAULT_GROUP) or 0
     return any(
         other.rank != rank.rank
         and (done := other.snapshot.last_done) is not None
-        and done.pg == "0"
+        and done.pg == DEFAULT_GROUP
         and done.seq is not None
         and done.seq > issued
         and done.t is not None

@@ -50,13 +50,16 @@ _UNTRACED_WAIT_DEPTH = 4
 _DATALOADER_FRAME = re.compile(r"torch/utils/data/|dataloader", re.IGNORECASE)
 
 
-def _position(rank: RankState) -> str:
+def _position(rank: RankState, state: RunState) -> str:
     if rank.exited:
         return f"rank {rank.rank}: {describe_exit(rank.exit)}"
     c = blocked_call(rank)
     if c is not None:
         peer = f", peer rank {c.peer}" if c.peer is not None else ""
-        return f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}{peer}, shapes {c.shapes}) called at {c.caller}"
+        text = f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}{peer}, shapes {c.shapes}) called at {c.caller}"
+        if state.overtaken(rank.rank, c):
+            text += " by its last snapshot, which is behind it: another rank has issued a later call there"
+        return text
     return f"rank {rank.rank}: not in a collective; {where_is(rank)[1]}"
 
 
@@ -150,7 +153,8 @@ def classify_hang(state: RunState) -> list[Verdict]:
     expected = _expected_ranks(state)
     calls = _blocked_calls(state)
     evidence = [
-        _position(state.ranks[r]) if r in state.ranks else f"rank {r}: never reported" for r in expected
+        _position(state.ranks[r], state) if r in state.ranks else f"rank {r}: never reported"
+        for r in expected
     ]
     if state.stacks_problem:
         evidence.append(f"stacks: {state.stacks_problem}")
@@ -508,19 +512,52 @@ def _frozen_hang(
     others = sorted(r for r in waiters if r not in frozen)
     ages = {r: round(state.now - (state.ranks[r].snapshot.heartbeat or 0.0), 1) for r in frozen}
     location, how = where_is(state.ranks[culprit], state)
-    inside = culprit in calls
+    # a frozen rank's last snapshot can be a second behind it: a call its peers have since passed
+    # is not where it froze (its stack, or its last snapshot's position, says where)
+    inside = culprit in calls and not state.overtaken(culprit, calls[culprit])
     if inside:
         location = location if state.ranks[culprit].stack else calls[culprit].caller
+    cause, cause_text, advice = _frozen_cause(state.ranks[culprit])
+    if others:
+        waiting = (
+            f"rank{'s' if len(others) > 1 else ''} {join_ranks(others)} wait{'' if len(others) > 1 else 's'} "
+            f"in {where_call}"
+        )
+    else:  # the others are still computing: they will block at their next call with it
+        waiting = "no other rank is in a collective yet; each will wait at its next one with it"
     summary = (
         f"hang: rank {join_ranks(frozen)} stopped responding (heartbeat {max(ages.values()):.0f} s old) "
         + (f"inside {calls[culprit].op} #{calls[culprit].seq}" if inside else f"({how})")
-        + f": its process is frozen (stopped, traced, or stuck in native code); "
-        f"rank{'s' if len(others) > 1 else ''} {join_ranks(others)} wait{'' if len(others) > 1 else 's'} "
-        f"in {where_call}"
+        + f": {cause_text}; {waiting}"
     )
-    details.update(frozen_ranks=frozen, heartbeat_age=ages)
+    details.update(frozen_ranks=frozen, heartbeat_age=ages, frozen_cause=cause)
+    if advice:
+        evidence = [*evidence, advice]
     kind = "hang.comm" if inside else "hang.missing_rank"
     return Verdict(kind, "error", summary, culprit, location, details, evidence)
+
+
+def _frozen_cause(rank: RankState) -> tuple[str, str, str | None]:
+    """Why a rank's heartbeat thread stopped, from its stack dump: (cause, phrase, advice)."""
+    stack = rank.stack or {}
+    pid = rank.pid if rank.pid is not None else "PID"
+    if stack.get("stopped"):
+        return (
+            "stopped",
+            "its process is stopped (state T: SIGSTOP, Ctrl-Z in its terminal, or a debugger holding it)",
+            f"a stopped process runs again with `kill -CONT {pid}` (or `fg` in the shell that suspended "
+            "it); a debugger holds it until it detaches",
+        )
+    if stack.get("main_holds_gil"):
+        return (
+            "holds_gil",
+            "its main thread holds the GIL in native code that does not release it, so none of its Python "
+            "threads can run, sddoctor's heartbeat included",
+            "a call into a C extension (or through `ctypes.PyDLL`) that runs or waits without releasing the "
+            "GIL: a deadlock or a very long computation inside that library; py-spy's native frames "
+            "(`py-spy dump --native --pid PID`) name the function",
+        )
+    return "unknown", "its process is frozen (stopped, traced, or stuck in native code)", None
 
 
 def _missing_rank_hang(
@@ -649,11 +686,7 @@ def _startup_hang(
 ) -> Verdict | None:
     """No rank is in a traced collective and some rank never got past its start-up: name the ranks
     that are not waiting for their peers (in init_process_group or DDP's construction)."""
-    starting = [
-        r
-        for r in expected
-        if r not in state.ranks or not (state.ranks[r].snapshot.started_work or state.ranks[r].exited)
-    ]
+    starting = [r for r in expected if not state.past_startup(r)]
     if not starting:
         return None
     waiters = {r: m for r in starting if r in state.ranks and (m := state.ranks[r].snapshot.waiting)}
@@ -717,14 +750,23 @@ def _rendezvous_trouble(lines: list[str]) -> tuple[str, KnownError] | None:
     return None
 
 
-def _frozen_ranks(state: RunState, ranks: list[int], stale: float = 5.0) -> list[int]:
-    """Ranks whose heartbeat thread stopped ticking while their peers' still tick."""
+def _frozen_ranks(
+    state: RunState, ranks: list[int], stale: float = 5.0, seen_frozen: float = 2.0
+) -> list[int]:
+    """Ranks whose heartbeat thread stopped ticking while their peers' still tick: for `stale`
+    seconds, or for `seen_frozen` seconds when the rank's stack shows why (its process stopped,
+    its main thread holding the GIL: the heartbeat, about 1 Hz, cannot tick again)."""
     out = []
     for r in ranks:
-        if state.ranks[r].remote:
+        rank = state.ranks[r]
+        if rank.remote:
             continue  # another host's clock: a skew would look like a stale heartbeat
-        beat = state.ranks[r].snapshot.heartbeat
-        if beat is not None and state.now - beat > stale:
+        beat = rank.snapshot.heartbeat
+        if beat is None:
+            continue
+        stack = rank.stack or {}
+        limit = seen_frozen if stack.get("stopped") or stack.get("main_holds_gil") else stale
+        if state.now - beat > limit:
             out.append(r)
     return sorted(out)
 

@@ -24,7 +24,9 @@ def rank_summary(rank: RankState, state: RunState | None = None) -> dict[str, An
     out: dict[str, Any] = dict(rank.state)
     out["rank"] = rank.rank
     if state is not None:
-        out["activity"] = rank.activity(state.now, state.started, state.startup_timeout)
+        out["activity"] = rank.activity(
+            state.now, state.started, state.startup_timeout, joined=state.past_startup(rank.rank)
+        )
     if rank.pid is not None:
         out["pid"] = rank.pid
     if rank.host:

@@ -139,13 +139,13 @@ DUMP_ATTEMPTS = 3
 def _dump_one(
     exe: str, key: Any, pid: int, out_dir: Path, timeout: float, native: bool, roots: CodeRoots
 ) -> dict[str, Any]:
-    cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
-    if _process_state(pid) == "T":
-        return {
-            "ok": False,
-            "pid": pid,
-            "error": "the process is stopped (SIGSTOP or a debugger); not touched",
-        }
+    stopped = _process_state(pid) == "T"
+    if stopped:
+        # SIGSTOP, Ctrl-Z or a debugger holds it: its memory does not change, so py-spy reads it
+        # without attaching (attaching, and the SIGCONT after a failed attach, would resume it)
+        cmd = [exe, "dump", "--pid", str(pid), "--json", "--nonblocking"]
+    else:
+        cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
     deadline = time.monotonic() + timeout
     for attempt in range(DUMP_ATTEMPTS):
         try:
@@ -153,7 +153,8 @@ def _dump_one(
                 cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic())
             )
         except subprocess.TimeoutExpired:
-            _resume(pid)
+            if not stopped:
+                _resume(pid)
             return {"ok": False, "pid": pid, "error": f"py-spy timed out after {timeout:.0f} s"}
         except OSError as exc:
             return {"ok": False, "pid": pid, "error": f"cannot run py-spy: {exc}"}
@@ -162,21 +163,26 @@ def _dump_one(
         transient = TRANSIENT_FAILURE in (proc.stderr or proc.stdout or "")
         if proc.returncode == 0 or not transient or attempt == DUMP_ATTEMPTS - 1:
             break
-        _resume(pid)
+        if not stopped:
+            _resume(pid)
         if deadline - time.monotonic() < 1.5:
             break
         time.sleep(0.2)
     if proc.returncode != 0:
-        _resume(pid)  # py-spy can leave its target stopped when it fails mid-attach
         error = explain_failure(proc.stderr or proc.stdout)
-        state = _process_state(pid)
-        if state == "T":
-            error += " (the process is stopped: SIGSTOP or a debugger; it was sent SIGCONT)"
-        return {"ok": False, "pid": pid, "error": error, "stderr": (proc.stderr or "")[-2000:]}
+        if stopped:
+            error += " (the process is stopped: SIGSTOP, Ctrl-Z or a debugger; left stopped)"
+        else:
+            _resume(pid)  # py-spy can leave its target stopped when it fails mid-attach
+            if _process_state(pid) == "T":
+                error += " (the process is stopped: SIGSTOP or a debugger; it was sent SIGCONT)"
+        failed = {"ok": False, "pid": pid, "error": error, "stderr": (proc.stderr or "")[-2000:]}
+        return {**failed, "stopped": True} if stopped else failed
     try:
         threads = json.loads(proc.stdout)
     except ValueError:
-        _resume(pid)
+        if not stopped:
+            _resume(pid)
         return {"ok": False, "pid": pid, "error": "py-spy printed no JSON"}
     stem = f"rank-{key:05d}" if isinstance(key, int) else str(key)
     path = out_dir / f"{stem}.json"
@@ -187,7 +193,7 @@ def _dump_one(
         f"{f.get('filename')}:{f.get('line')} in {f.get('name')}" for f in (main or {}).get("frames", [])
     ]
     top = top_user_frame(main, roots)
-    return {
+    result = {
         "ok": True,
         "pid": pid,
         "file": str(path),
@@ -195,6 +201,13 @@ def _dump_one(
         "top_user_frame": top[0] if top else None,
         "top_user_function": top[1] if top else None,
     }
+    if stopped:
+        result["stopped"] = True
+    if (main or {}).get("owns_gil") is True:
+        # a main thread that keeps the GIL while the process hangs is in native code that did not
+        # release it: none of the process's Python threads can run
+        result["main_holds_gil"] = True
+    return result
 
 
 def _process_state(pid: int) -> str | None:
@@ -246,7 +259,8 @@ def top_user_frame(thread: dict[str, Any] | None, roots: CodeRoots | None = None
 def format_threads(threads: Any) -> str:
     lines = []
     for thread in threads if isinstance(threads, list) else []:
-        lines.append(f"Thread {thread.get('os_thread_id')} ({thread.get('thread_name')}):")
+        gil = ", holds the GIL" if thread.get("owns_gil") is True else ""
+        lines.append(f"Thread {thread.get('os_thread_id')} ({thread.get('thread_name')}{gil}):")
         for f in thread.get("frames", []):
             lines.append(f"    {f.get('name')} ({f.get('filename')}:{f.get('line')})")
     return "\n".join(lines) + "\n"

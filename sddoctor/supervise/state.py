@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sddoctor.telemetry.runinfo import HANG_TIMEOUT, STARTUP_TIMEOUT, STRAGGLER_RATIO
-from sddoctor.telemetry.snapshot import Collective, RankSnapshot
+from sddoctor.telemetry.snapshot import DEFAULT_GROUP, Collective, RankSnapshot
 
 #: Verdict kinds, in the order a report lists them when several apply.
 VERDICT_KINDS = (
@@ -177,15 +177,16 @@ class RankState:
             if attempt.get("pid") == pid and not attempt.get("exit"):
                 attempt["exit"] = dict(exit_info)
 
-    def activity(self, now: float, started: float, startup_timeout: float) -> str:
+    def activity(self, now: float, started: float, startup_timeout: float, joined: bool = False) -> str:
         """One word for what the rank does: "exited"; "training" (steps finish); "running" (no step
-        reported, collectives issued); "starting"; or "stuck at start" (no step and no collective
-        once the start-up allowance has passed)."""
+        reported, collectives issued, or `joined`: its peers completed a call it had to join);
+        "starting"; or "stuck at start" (no step and no collective once the start-up allowance has
+        passed)."""
         if self.exited:
             return "exited"
         if self.snapshot.step is not None or self.step_count:
             return "training"
-        if self.snapshot.started_work:
+        if self.snapshot.started_work or joined:
             return "running"
         return "stuck at start" if now - started >= startup_timeout else "starting"
 
@@ -248,34 +249,42 @@ class RunState:
     def blocked_call(self) -> tuple[int, Collective] | None:
         """(rank, call) of the call that has held a live rank longest: a blocking collective, or
         one DDP waits for, not a Work the program may leave pending (`Collective.holds_the_rank`),
-        nor one another rank of its group has passed (`_latest_issued`)."""
-        latest = self._latest_issued()
+        nor one another rank of its group has passed (`overtaken`)."""
+        marks = self._group_marks()
         oldest: tuple[int, Collective] | None = None
         for r in self.ranks.values():
             if r.exited:
                 continue
             for c in r.snapshot.inflight:
-                if c.since is None or not c.holds_the_rank or _passed(latest, r.rank, c):
+                if c.since is None or not c.holds_the_rank or _passed(marks, r.rank, c):
                     continue
                 if oldest is None or c.since < (oldest[1].since or c.since):
                     oldest = (r.rank, c)
         return oldest
 
-    def _latest_issued(self) -> dict[str, list[tuple[int, int]]]:
-        """Per process group, the two highest (seq issued, rank): enough to tell, for any rank,
-        the latest call another rank issued there, in one pass over the ranks."""
-        latest: dict[str, list[tuple[int, int]]] = {}
+    def overtaken(self, rank: int, call: Collective) -> bool:
+        """Whether another rank issued a later call on `call`'s group, or completed this one, than
+        this rank's record of being inside `call`: the call no longer waits for a peer, and the
+        record (a snapshot, written about once a second) is behind the rank."""
+        return _passed(self._group_marks(), rank, call)
+
+    def _group_marks(self) -> dict[str, _Marks]:
+        """Per process group, the two highest seqs issued and the two highest completed, each with
+        its rank: enough to tell, for any rank, the latest call another rank issued or completed
+        there, in one pass over the ranks."""
+        marks: dict[str, _Marks] = {}
         for r in self.ranks.values():
             snap = r.snapshot
-            named = {c.pg for c in (*snap.inflight, snap.last_done) if c is not None}
+            done = [c for c in (snap.last_done, snap.last_done_main) if c is not None]
+            named = {c.pg for c in (*snap.inflight, *done)}
             for pg in set(snap.issued) | named:
                 seq = snap.issued_on(pg)
                 if isinstance(seq, int):
-                    top = latest.setdefault(pg, [])
-                    top.append((seq, r.rank))
-                    top.sort(reverse=True)
-                    del top[2:]
-        return latest
+                    _keep_top(marks.setdefault(pg, _Marks()).issued, seq, r.rank)
+            for call in done:
+                if isinstance(call.seq, int):
+                    _keep_top(marks.setdefault(call.pg, _Marks()).done, call.seq, r.rank)
+        return marks
 
     @property
     def stalled_since(self) -> float:
@@ -293,6 +302,22 @@ class RunState:
     def stalled_for(self) -> float:
         return max(0.0, self.now - self.stalled_since)
 
+    def past_startup(self, rank: int) -> bool:
+        """Whether the rank got past its start-up: it exited, or it issued a collective or finished a
+        step, as its snapshot says or as its peers show: another rank completed a call of the default
+        group, which this rank had to issue too. A rank that froze within a second of its last
+        snapshot (stopped, or in native code that holds the GIL, so that its heartbeat thread cannot
+        write) leaves a snapshot that still says it is starting."""
+        mine = self.ranks.get(rank)
+        if mine is None:
+            return False
+        if mine.exited or mine.snapshot.started_work:
+            return True
+        return any(
+            other.rank != rank and (done := other.snapshot.last_done) is not None and done.pg == DEFAULT_GROUP
+            for other in self.ranks.values()
+        )
+
     @property
     def in_startup(self) -> bool:
         """Within the start-up allowance while some expected rank has not started working yet."""
@@ -301,10 +326,7 @@ class RunState:
         expected = set(range(self.world_size or 0)) | set(self.ranks)
         if not expected:
             return True  # no rank has even joined yet
-        return any(
-            r not in self.ranks or (not self.ranks[r].snapshot.started_work and not self.ranks[r].exited)
-            for r in expected
-        )
+        return any(not self.past_startup(r) for r in expected)
 
     @property
     def hung(self) -> bool:
@@ -325,10 +347,30 @@ class RunState:
         return self.stalled_for >= self.hang_timeout
 
 
-def _passed(latest: dict[str, list[tuple[int, int]]], rank: int, call: Collective) -> bool:
-    """Whether a rank other than `rank` has issued a later call on `call`'s group: then the call
-    has completed, and the rank's snapshot (written about once a second) is behind. Point-to-point
-    calls are numbered per pair, so they are not compared."""
+@dataclass
+class _Marks:
+    """One process group's highest (seq, rank) pairs: calls issued, calls completed."""
+
+    issued: list[tuple[int, int]] = field(default_factory=list)
+    done: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _keep_top(top: list[tuple[int, int]], seq: int, rank: int) -> None:
+    top.append((seq, rank))
+    top.sort(reverse=True)
+    del top[2:]
+
+
+def _passed(marks: dict[str, _Marks], rank: int, call: Collective) -> bool:
+    """Whether a rank other than `rank` has issued a later call on `call`'s group, or completed
+    this one (a collective completes only once every member has joined it): then the call no
+    longer waits for a peer, and the rank's snapshot (written about once a second) is behind.
+    Point-to-point calls are numbered per pair, so they are not compared."""
     if call.seq is None or call.pg.endswith(":p2p"):
         return False
-    return any(other != rank and seq > call.seq for seq, other in latest.get(call.pg, []))
+    mark = marks.get(call.pg)
+    if mark is None:
+        return False
+    return any(other != rank and seq > call.seq for seq, other in mark.issued) or any(
+        other != rank and seq >= call.seq for seq, other in mark.done
+    )

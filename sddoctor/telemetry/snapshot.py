@@ -18,6 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The name traced calls of the default (world) process group carry: every rank is its member, so a
+#: call of it that one rank completed was issued by every rank.
+DEFAULT_GROUP = "0"
+
 
 def _num(value: Any) -> float | None:
     """A finite number as a float (what `validate` calls "num"), else None."""
