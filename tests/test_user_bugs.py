@@ -28,6 +28,7 @@ CASES: dict[str, dict[str, str]] = {
     "order": {"BUG": "order", "SAME_SHAPES": "1"},
     "early_exit": {"BUG": "early_exit"},
     "reduce_op": {"BUG": "reduce_op"},
+    "breakpoint": {"BUG": "breakpoint"},
     "dtype": {"BUG": "dtype"},
 }
 
@@ -137,3 +138,16 @@ def test_a_different_dtype_of_the_same_width_is_found(runs: dict) -> None:
     passed = v["details"]["passed"]
     assert (passed["0"]["sig"], passed["1"]["sig"]) == ("float32[2] SUM", "int32[2] SUM"), v
     assert passed["0"]["caller"] == passed["1"]["caller"] == script_line("# EPOCH METRIC", SCRIPT), v
+
+
+def test_a_breakpoint_left_in_a_rank_is_said_to_be_one(runs: dict) -> None:
+    """`breakpoint()` in a rank without a terminal: pdb reads end-of-input at the next line and
+    raises BdbQuit, whose message is empty. The crash says what that means and how to debug a rank."""
+    res = runs["breakpoint"]
+    assert_no_sddoctor_traceback(res)
+    assert res.returncode == 1, res.stderr[-3000:]
+    (crash,) = res.verdicts("crash")
+    assert (crash["culprit_rank"], crash["location"]) == (1, script_line("# AFTER BREAKPOINT", SCRIPT)), crash
+    assert "raised BdbQuit at" in crash["summary"] and "pdb read end-of-input" in crash["summary"], crash
+    assert crash["details"]["known_error"]["code"] == "debugger_without_terminal"
+    assert "torch.distributed.breakpoint(rank=N)" in crash["evidence"][-1]

@@ -5,6 +5,8 @@ connect" or NCCL's "invalid usage" prints torch's words, which name the failing 
 cause a user can act on. `known_error` reads an error message and returns the cause and the fix,
 which a crash verdict adds to its evidence (`details.known_error`). Pure: no process or file is
 looked at here; who holds a taken port is found by the supervisor (`port_holders`) and passed in.
+An exception whose type alone says what happened (pdb's `BdbQuit` in a rank without a terminal)
+is read by `known_exception_type`.
 """
 
 from __future__ import annotations
@@ -221,3 +223,23 @@ def _unreachable_advice(where: str) -> str:
         "a name only that node resolves), and the port open in its firewall; `sddoctor check-nccl` "
         "checks both"
     )
+
+
+#: exception types whose cause needs no message: type name -> (code, advice, cause)
+_BY_TYPE: dict[str, tuple[str, str, str]] = {
+    "BdbQuit": (
+        "debugger_without_terminal",
+        "a `breakpoint()` or `pdb.set_trace()` ran in this rank while its standard input was not a "
+        "terminal (under `sddoctor run` the job reads /dev/null), so pdb read end-of-input and quit. "
+        "Remove it; to stop one rank in the debugger, run the job without sddoctor and call "
+        "`torch.distributed.breakpoint(rank=N)` (it holds the other ranks at a barrier meanwhile), or "
+        "use a debugger that listens on a port (debugpy, remote-pdb)",
+        "a breakpoint() or pdb.set_trace() ran without a terminal: pdb read end-of-input and quit",
+    ),
+}
+
+
+def known_exception_type(type_name: str | None) -> KnownError | None:
+    """The usual cause of an exception that its type alone names, or None."""
+    found = _BY_TYPE.get(str(type_name or "").rsplit(".", 1)[-1])
+    return KnownError(*found) if found else None

@@ -11,7 +11,7 @@ from typing import Any
 
 from sddoctor.codepaths import CodeRoots, current_roots, first_user_frame, frame_path
 from sddoctor.instrument.faults import FaultSpecError, parse_faults
-from sddoctor.supervise.comm_errors import KnownError, known_error
+from sddoctor.supervise.comm_errors import KnownError, known_error, known_exception_type
 from sddoctor.supervise.nested_traceback import nested_traceback
 from sddoctor.supervise.state import RankState, RunState, Verdict
 from sddoctor.telemetry.snapshot import DEFAULT_GROUP
@@ -340,7 +340,8 @@ def unclean_marked(exit_info: dict[str, Any] | None) -> dict[str, Any] | None:
 def raised_text(exc: dict[str, Any]) -> str:
     """'raised TYPE: the first line of its message' for an `exception` event."""
     first_line = (str(exc.get("message", "")).strip().splitlines() or [""])[0]
-    return f"raised {exc.get('type', 'an exception')}: {first_line[:160]}"
+    kind = exc.get("type", "an exception")
+    return f"raised {kind}: {first_line[:160]}" if first_line else f"raised {kind}"
 
 
 def ended_cleanly(rank: RankState, exit_info: dict[str, Any] | None) -> bool:
@@ -367,5 +368,9 @@ def join_ranks(ranks: list[int]) -> str:
 
 def exception_known_error(state: RunState, exc: dict[str, Any] | None) -> KnownError | None:
     """The usual cause of a recorded exception (`comm_errors.known_error`), with the holders of the
-    ports the run's port-in-use errors named."""
-    return known_error(str(exc.get("message", "")), state.port_holders) if exc else None
+    ports the run's port-in-use errors named; else the cause its type names."""
+    if not exc:
+        return None
+    return known_error(str(exc.get("message", "")), state.port_holders) or known_exception_type(
+        exc.get("type")
+    )

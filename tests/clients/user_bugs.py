@@ -16,6 +16,7 @@ BUG=order), BUG, one of:
   early_exit   rank 1 leaves the loop after step AT and ends the job on its side
   reduce_op    rank 1 reduces the epoch metric with MAX where rank 0 sums it (nothing hangs)
   dtype        rank 1's epoch metric is int32 where rank 0's is float32 (same width: nothing hangs)
+  breakpoint   a breakpoint() left in rank 1's loop at step AT (no terminal: pdb quits)
 """
 
 import os
@@ -92,7 +93,9 @@ def train_epoch(model, optimizer, rank, shard, xval):
         if not torch.isfinite(loss):
             print(f"rank {rank}: non-finite loss at step {step}, skipping", flush=True)  # NAN SKIP
             continue
-        optimizer.zero_grad()
+        if BUG == "breakpoint" and rank == 1 and step == AT:
+            breakpoint()  # BREAKPOINT
+        optimizer.zero_grad()  # AFTER BREAKPOINT
         loss.backward()  # BACKWARD
         optimizer.step()
         time.sleep(STEP_SECONDS)  # the rest of a real step's compute
