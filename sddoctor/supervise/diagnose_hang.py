@@ -750,12 +750,17 @@ def _rendezvous_trouble(lines: list[str]) -> tuple[str, KnownError] | None:
     return None
 
 
-def _frozen_ranks(
-    state: RunState, ranks: list[int], stale: float = 5.0, seen_frozen: float = 2.0
-) -> list[int]:
-    """Ranks whose heartbeat thread stopped ticking while their peers' still tick: for `stale`
-    seconds, or for `seen_frozen` seconds when the rank's stack shows why (its process stopped,
-    its main thread holding the GIL: the heartbeat, about 1 Hz, cannot tick again)."""
+#: how old a heartbeat (about 1 Hz, read about once a second) must be for its rank to count as
+#: frozen: by default, and when the rank's stack shows its main thread holding the GIL (the
+#: heartbeat thread cannot tick; a rank that merely computes in Python still ticks)
+FROZEN_AFTER = 5.0
+FROZEN_HOLDING_GIL_AFTER = 3.0
+
+
+def _frozen_ranks(state: RunState, ranks: list[int]) -> list[int]:
+    """Ranks whose heartbeat thread stopped ticking while their peers' still tick: for
+    `FROZEN_AFTER` seconds, `FROZEN_HOLDING_GIL_AFTER` when the rank's stack shows its main thread
+    holding the GIL, and at once when its process is stopped (state T)."""
     out = []
     for r in ranks:
         rank = state.ranks[r]
@@ -765,7 +770,10 @@ def _frozen_ranks(
         if beat is None:
             continue
         stack = rank.stack or {}
-        limit = seen_frozen if stack.get("stopped") or stack.get("main_holds_gil") else stale
+        if stack.get("stopped"):
+            limit = 0.0
+        else:
+            limit = FROZEN_HOLDING_GIL_AFTER if stack.get("main_holds_gil") else FROZEN_AFTER
         if state.now - beat > limit:
             out.append(r)
     return sorted(out)
