@@ -58,7 +58,7 @@ def _position(rank: RankState, state: RunState) -> str:
         peer = f", peer rank {c.peer}" if c.peer is not None else ""
         text = f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}{peer}, shapes {c.shapes}) called at {c.caller}"
         if state.overtaken(rank.rank, c):
-            text += " by its last snapshot, which is behind it: another rank has issued a later call there"
+            text += " by its last snapshot, which is behind it: another rank has completed that call or issued a later one"
         return text
     return f"rank {rank.rank}: not in a collective; {where_is(rank)[1]}"
 
