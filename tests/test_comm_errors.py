@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from sddoctor.supervise.comm_errors import known_error
+from sddoctor.supervise.comm_errors import known_error, known_exception_type
 from sddoctor.supervise.port_holders import port_holders, taken_ports
 
 PORT_IN_USE = (
@@ -133,3 +133,12 @@ def test_torch_own_words_for_an_unreachable_store_are_read() -> None:
     found = known_error(str(raised.value))
     assert found is not None and found.code == "store_unreachable", str(raised.value)[:500]
     assert found.port == port
+
+
+def test_an_exception_type_that_says_it_all_gets_its_cause() -> None:
+    """pdb's BdbQuit has an empty message: its type (bare or qualified) is what names the cause."""
+    for name in ("BdbQuit", "bdb.BdbQuit"):
+        found = known_exception_type(name)
+        assert found is not None and found.code == "debugger_without_terminal", name
+        assert "pdb read end-of-input" in found.summary_clause()
+    assert known_exception_type("RuntimeError") is None and known_exception_type(None) is None
