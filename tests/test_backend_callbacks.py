@@ -26,8 +26,12 @@ ABORT = "terminate called without an active exception"
 @pytest.mark.timeout(180)
 def test_a_rank_waits_at_exit_for_gloo_to_drop_its_callbacks(tmp_path: Path) -> None:
     command = torchrun(2, "--standalone", str(CLIENTS / "late_callback_drop.py"))
-    code, bare = run_to_end(command, timeout=90, env=subprocess_env(MODE="bare"))
-    # the hazard is real: the same program without the wait dies of SIGABRT after finishing
+    # the hazard is real: the same program without the wait dies of SIGABRT after finishing. It
+    # is a race (the drop against the interpreter's end), so one of three runs must show it
+    for _ in range(3):
+        code, bare = run_to_end(command, timeout=90, env=subprocess_env(MODE="bare"))
+        if code != 0:
+            break
     assert code != 0 and ABORT in bare, bare[-3000:]
     assert bare.count("done") >= 2, bare[-3000:]
     env = subprocess_env(MODE="session", RUN_DIR=str(tmp_path / "run"))

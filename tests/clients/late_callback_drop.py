@@ -1,8 +1,9 @@
 """A DDP comm hook whose future callback gloo's worker thread drops only after the main thread has
-reached the end of the program: something rank 0's last callback holds takes 1 s to release
-(torchrun, 2 ranks, gloo). Rank 1 comes 0.3 s late to the last all-reduce, so that rank 0's
-callback runs on gloo's thread, not inline. The drop takes the GIL; after the interpreter ended,
-that aborts the process.
+reached the end of the program: something rank 0's last callback holds takes DROP_SECONDS to
+release (torchrun, 2 ranks, gloo). Rank 1 comes LATE_SECONDS late to the last all-reduce, so that
+rank 0's callback runs on gloo's thread, not inline. The drop takes the GIL; after the interpreter
+ended, that aborts the process. The drop takes longer than the interpreter's end (also on a busy
+machine) and shorter than the 2 s that sddoctor's exit waits for callbacks that ran.
 
 MODE=session: sddoctor's rank session is on, whose atexit close waits for the drop of every
 BackendCallback. MODE=bare: the same hook and callback, no session: nothing waits.
@@ -22,6 +23,8 @@ from sddoctor.instrument import api
 from sddoctor.instrument.backend_callbacks import BackendCallback
 
 STEPS = 3
+DROP_SECONDS = 1.5
+LATE_SECONDS = 1.0
 
 
 class Payload:
@@ -32,7 +35,7 @@ def slow_to_drop_hook(state, bucket):
     buffer = bucket.buffer().div_(dist.get_world_size())
     payload = Payload()
     if state["step"] == STEPS and dist.get_rank() == 0:
-        weakref.finalize(payload, time.sleep, 1.0)
+        weakref.finalize(payload, time.sleep, DROP_SECONDS)
 
     def done(fut, held=payload):
         return fut.value()[0]
@@ -50,7 +53,7 @@ def main() -> None:
     for step in range(1, STEPS + 1):
         state["step"] = step
         if step == STEPS and dist.get_rank() == 1:
-            time.sleep(0.3)  # rank 0's callback is attached before its all-reduce completes
+            time.sleep(LATE_SECONDS)  # rank 0's callback is attached before its all-reduce completes
         model(torch.randn(4, 8)).sum().backward()
     dist.destroy_process_group()
     print("done", flush=True)
