@@ -261,6 +261,21 @@ def test_a_rank_frozen_before_its_snapshot_showed_work_is_past_its_start_up() ->
     assert not hung(rank(0, inflight=[call(1, since=NOW - 1)]), rank(1)).past_startup(1)
 
 
+def test_a_rank_a_debugger_holds_is_frozen_by_the_heartbeat_rule_and_said_to_be_traced() -> None:
+    """State t can be a sampling profiler's brief stop too, so a traced rank needs the usual 5 s of
+    silent heartbeat before it is called frozen; then the verdict says a tracer holds it."""
+
+    def state_with_heartbeat(age: float) -> RunState:
+        held = rank(1, issued=6, done=call(6), heartbeat=NOW - age)
+        held.stack = {**stack("train.py:33"), "traced": True}
+        return hung(rank(0, inflight=[call(7)], issued=7), held)
+
+    assert not [v for v in diagnose(state_with_heartbeat(4)) if "frozen_ranks" in v.details]
+    (v,) = [v for v in diagnose(state_with_heartbeat(6)) if v.kind.startswith("hang")]
+    assert (v.culprit_rank, v.details["frozen_cause"]) == (1, "traced"), v.summary
+    assert "held by a tracer (state t" in v.summary and "`detach`" in v.evidence[-1]
+
+
 def test_a_call_a_peer_completed_does_not_hold_the_rank_whose_snapshot_is_behind() -> None:
     """Rank 1's last snapshot has it inside all_reduce #2 since 990; rank 0 completed #2, so rank 1
     got out of it: the stall is not dated from it, and a frozen rank 1 is not placed inside it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -58,6 +59,9 @@ def test_watcher_sightings_progress_and_exit(tmp_path):
     assert watcher.state(now=130.0).stalled_for == 13.0
 
 
+PTRACE_ATTACH, PTRACE_DETACH = 16, 17
+
+
 def _start_waiting_script(tmp_path) -> tuple[Path, subprocess.Popen]:
     """A Python process asleep in `wait()` (line 4 of its script), once py-spy can read it."""
     if stacks.py_spy_path() is None or stacks.ptrace_problem():
@@ -99,6 +103,28 @@ def test_a_stopped_process_is_read_without_being_resumed(tmp_path):
     assert result["ok"] and result["stopped"], result
     assert result["top_user_frame"] == f"{script}:4"
     assert not result.get("main_holds_gil")  # time.sleep releases it
+
+
+def test_a_process_a_tracer_holds_is_read_without_attaching(tmp_path):
+    """A process that a debugger (gdb, strace) has stopped (state t) cannot be attached again: it
+    is read without attaching, marked `traced`, and stays held. The tracer here is this test."""
+    script, proc = _start_waiting_script(tmp_path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    try:
+        time.sleep(1.0)
+        if libc.ptrace(PTRACE_ATTACH, proc.pid, None, None) != 0:
+            pytest.skip(f"ptrace(PTRACE_ATTACH) failed: {os.strerror(ctypes.get_errno())}")
+        os.waitpid(proc.pid, 0)  # the tracee's stop
+        assert stacks._process_state(proc.pid) == "t"
+        result = stacks.dump_stacks({2: proc.pid}, tmp_path / "stacks", timeout=20)[2]
+        assert stacks._process_state(proc.pid) == "t"
+        libc.ptrace(PTRACE_DETACH, proc.pid, None, None)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert result["ok"] and result["traced"] and not result.get("stopped"), result
+    assert result["top_user_frame"] == f"{script}:4"
 
 
 def test_a_dump_that_caught_the_process_mid_change_is_read_again(tmp_path):

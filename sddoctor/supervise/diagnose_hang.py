@@ -548,6 +548,12 @@ def _frozen_cause(rank: RankState) -> tuple[str, str, str | None]:
             f"a stopped process runs again with `kill -CONT {pid}` (or `fg` in the shell that suspended "
             "it); a debugger holds it until it detaches",
         )
+    if stack.get("traced"):
+        return (
+            "traced",
+            "its process is held by a tracer (state t: a debugger such as gdb, or strace, stopped it)",
+            "the rank runs on once the debugger lets it go (gdb: `continue` or `detach`)",
+        )
     if stack.get("main_holds_gil"):
         return (
             "holds_gil",

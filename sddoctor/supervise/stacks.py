@@ -139,10 +139,13 @@ DUMP_ATTEMPTS = 3
 def _dump_one(
     exe: str, key: Any, pid: int, out_dir: Path, timeout: float, native: bool, roots: CodeRoots
 ) -> dict[str, Any]:
-    stopped = _process_state(pid) == "T"
+    held = _process_state(pid)
+    # T: SIGSTOP or Ctrl-Z stopped it; t: a tracer (gdb, strace) holds it. Its memory does not
+    # change, so py-spy reads it without attaching (attaching, and the SIGCONT after a failed
+    # attach, would resume it; a traced process cannot be attached at all)
+    stopped = held in ("T", "t")
+    marks = {"stopped": True} if held == "T" else {"traced": True} if held == "t" else {}
     if stopped:
-        # SIGSTOP, Ctrl-Z or a debugger holds it: its memory does not change, so py-spy reads it
-        # without attaching (attaching, and the SIGCONT after a failed attach, would resume it)
         cmd = [exe, "dump", "--pid", str(pid), "--json", "--nonblocking"]
     else:
         cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
@@ -177,7 +180,7 @@ def _dump_one(
             if _process_state(pid) == "T":
                 error += " (the process is stopped: SIGSTOP or a debugger; it was sent SIGCONT)"
         failed = {"ok": False, "pid": pid, "error": error, "stderr": (proc.stderr or "")[-2000:]}
-        return {**failed, "stopped": True} if stopped else failed
+        return {**failed, **marks}
     try:
         threads = json.loads(proc.stdout)
     except ValueError:
@@ -201,8 +204,7 @@ def _dump_one(
         "top_user_frame": top[0] if top else None,
         "top_user_function": top[1] if top else None,
     }
-    if stopped:
-        result["stopped"] = True
+    result.update(marks)
     if (main or {}).get("owns_gil") is True:
         # a main thread that keeps the GIL while the process hangs is in native code that did not
         # release it: none of the process's Python threads can run
