@@ -149,6 +149,11 @@ def _dump_one(
         cmd = [exe, "dump", "--pid", str(pid), "--json", "--nonblocking"]
     else:
         cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else [])
+
+    def resume_unless_held() -> None:
+        if not stopped:  # a process held before the dump is left as it was; py-spy may stop others
+            _resume(pid)
+
     deadline = time.monotonic() + timeout
     for attempt in range(DUMP_ATTEMPTS):
         try:
@@ -156,8 +161,7 @@ def _dump_one(
                 cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic())
             )
         except subprocess.TimeoutExpired:
-            if not stopped:
-                _resume(pid)
+            resume_unless_held()
             return {"ok": False, "pid": pid, "error": f"py-spy timed out after {timeout:.0f} s"}
         except OSError as exc:
             return {"ok": False, "pid": pid, "error": f"cannot run py-spy: {exc}"}
@@ -166,8 +170,7 @@ def _dump_one(
         transient = TRANSIENT_FAILURE in (proc.stderr or proc.stdout or "")
         if proc.returncode == 0 or not transient or attempt == DUMP_ATTEMPTS - 1:
             break
-        if not stopped:
-            _resume(pid)
+        resume_unless_held()
         if deadline - time.monotonic() < 1.5:
             break
         time.sleep(0.2)
@@ -184,8 +187,7 @@ def _dump_one(
     try:
         threads = json.loads(proc.stdout)
     except ValueError:
-        if not stopped:
-            _resume(pid)
+        resume_unless_held()
         return {"ok": False, "pid": pid, "error": "py-spy printed no JSON"}
     stem = f"rank-{key:05d}" if isinstance(key, int) else str(key)
     path = out_dir / f"{stem}.json"
