@@ -439,6 +439,33 @@ def test_a_helper_threads_long_wait_is_not_a_stall_of_the_rank() -> None:
     assert state.blocked_call is None and not state.hung
 
 
+def _with_issued(r: RankState, **issued: int) -> RankState:
+    r.state["collectives"]["issued"] = {pg.removeprefix("pg"): n for pg, n in issued.items()}
+    return r
+
+
+@pytest.mark.parametrize(
+    "waiters_meter_in_flight", [False, True], ids=["meter-between-calls", "meter-in-flight"]
+)
+def test_a_helper_threads_call_is_not_where_its_rank_is_held(waiters_meter_in_flight: bool) -> None:
+    """Rank 1's main thread is stuck reading its batch while its metering thread, which all-reduces
+    on a group of its own every 0.2 s, is inside #69 there; rank 0's snapshot, written at another
+    instant, had issued only #68 there (or is inside #70, newer than its main thread's wait). The
+    meter is not where either rank is held: rank 1 is missing from the default group's #15, at its
+    main thread's line, and no crossing of groups is seen."""
+    meter = {**call(69, caller="meter.py:9", since=NOW - 0.1), "pg": "1", "off_main": True}
+    waiting = [call(15, caller="train.py:20", since=NOW - 6)]
+    if waiters_meter_in_flight:
+        waiting.append({**meter, "seq": 70, "since": NOW - 0.05})
+    waiter = _with_issued(rank(0, inflight=waiting), pg0=15, pg1=70 if waiters_meter_in_flight else 68)
+    stuck = _with_issued(rank(1, inflight=[meter], stack=stack("train.py:9")), pg0=14, pg1=69)
+    (v,) = [v for v in diagnose(hung(waiter, stuck)) if v.kind.startswith("hang")]
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.missing_rank", 1, "train.py:9"), v.summary
+    assert (v.details["pg"], v.details["seq"]) == ("0", 15)
+    assert "inside all_reduce #69" not in v.summary
+    assert "from a thread other than its main thread" in v.evidence[1]
+
+
 def test_a_call_a_peer_has_passed_is_over_though_the_snapshot_still_shows_it() -> None:
     """Rank 0 has issued #8 on the group, so #7 completed; rank 1's snapshot (written once a
     second) still shows it in flight since long ago. That is no stall, and no diagnosis runs on

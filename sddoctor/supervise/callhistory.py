@@ -33,14 +33,16 @@ def is_p2p(call: Collective) -> bool:
 
 
 def blocked_call(rank: RankState) -> Collective | None:
-    """The call a rank is blocked in: its latest synchronous call in flight, else its latest async
-    one. A rank waits in one call at a time; async works still open on other groups (DDP's
-    buckets, an isend) are not where it is."""
+    """The call a rank is blocked in: of its calls in flight, one that holds the rank (its main
+    thread's, or DDP's within its step: `Collective.holds_the_rank`) before one that does not (a
+    helper thread's, a Work left pending), a synchronous one before an async one, then the latest.
+    A thread waits in one call at a time; async works still open on other groups (DDP's buckets,
+    an isend) are not where it is, and a helper thread's call, issued every fraction of a second
+    while the main thread waits elsewhere, is not where the rank is."""
     inflight = rank.snapshot.inflight
     if not inflight:
         return None
-    sync = [c for c in inflight if not c.is_async]
-    return max(sync or inflight, key=lambda c: (c.since or 0.0, c.seq or 0))
+    return max(inflight, key=lambda c: (c.holds_the_rank, not c.is_async, c.since or 0.0, c.seq or 0))
 
 
 def group_members(state: RunState, pg: str, everyone: list[int]) -> list[int]:

@@ -57,6 +57,8 @@ def _position(rank: RankState, state: RunState) -> str:
     if c is not None:
         peer = f", peer rank {c.peer}" if c.peer is not None else ""
         text = f"rank {rank.rank}: inside {c.op} #{c.seq} (pg {c.pg}{peer}, shapes {c.shapes}) called at {c.caller}"
+        if c.off_main and c.ddp is None:
+            text += " from a thread other than its main thread"
         if state.overtaken(rank.rank, c):
             text += " by its last snapshot, which is behind it: another rank has completed that call or issued a later one"
         return text
@@ -220,13 +222,26 @@ NCCL_STUCK_ADVICE = (
 
 
 def _blocked_calls(state: RunState) -> dict[int, Collective]:
-    """The call each live rank is blocked in (see `callhistory.blocked_call`)."""
+    """The call each live rank is blocked in (see `callhistory.blocked_call`), where it counts
+    (`_counts_as_held`)."""
     calls: dict[int, Collective] = {}
     for one in state.ranks.values():
         call = None if one.exited else blocked_call(one)
-        if call is not None:
+        if call is not None and _counts_as_held(state, call):
             calls[one.rank] = call
     return calls
+
+
+def _counts_as_held(state: RunState, call: Collective) -> bool:
+    """Whether a rank's call in flight says where the rank is: one that holds it (its main
+    thread's, or DDP's), or a helper thread's call stalled for the hang timeout (its main thread
+    may wait for that thread). A helper's younger call is a thread at work, seen in flight by a
+    snapshot written at another instant than its peers': a meter all-reducing every fraction of a
+    second is in its call #69 by one rank's snapshot while the other's, a moment older, issued
+    #68. Paired across ranks, such a call would make a crossing of groups that never happened."""
+    if call.holds_the_rank or call.since is None:
+        return True
+    return state.now - call.since >= state.hang_timeout
 
 
 @dataclass
@@ -293,7 +308,7 @@ def _main_wait(state: RunState, waits: list[_GroupWait], calls: dict[int, Collec
         if wait.disagrees(calls):
             return wait
     for wait in waits:
-        if any(r not in calls or is_p2p(calls[r]) for r in wait.behind):
+        if any(not _held_in_collective(r, calls) for r in wait.behind):
             return wait
     for wait in waits:
         if any(_departure(state, r, calls) is not None for r in wait.behind):
@@ -306,11 +321,17 @@ def _departure(state: RunState, r: int, calls: dict[int, Collective]) -> Departu
     return left_routine(rank, calls[r]) if rank is not None and r in calls else None
 
 
+def _held_in_collective(r: int, calls: dict[int, Collective]) -> bool:
+    """Whether rank `r` is held in a collective: not free (computing, loading data, exited), and
+    not in a p2p call."""
+    return r in calls and not is_p2p(calls[r])
+
+
 def _explains(state: RunState, wait: _GroupWait, calls: dict[int, Collective]) -> bool:
-    """Whether a rank missing from `wait` is the cause: it is not blocked in another collective
+    """Whether a rank missing from `wait` is the cause: it is not held in another collective
     (it computes, loads data, waits in a p2p call or exited), or it left its routine to get there."""
     return any(
-        r not in calls or is_p2p(calls[r]) or _departure(state, r, calls) is not None for r in wait.behind
+        not _held_in_collective(r, calls) or _departure(state, r, calls) is not None for r in wait.behind
     )
 
 
@@ -578,7 +599,7 @@ def _missing_rank_hang(
     and where it is (inside another group's call, it is named with the call it skipped)."""
     culprits = wait.behind
     loaders = [r for r in culprits if r in state.ranks and in_dataloader(state.ranks[r])]
-    elsewhere = [r for r in culprits if r in calls and not is_p2p(calls[r])]
+    elsewhere = [r for r in culprits if _held_in_collective(r, calls)]
     skipped = [r for r in elsewhere if _departure(state, r, calls) is not None]
     free = [r for r in culprits if r not in elsewhere]
     suspects = skipped or free or culprits
