@@ -27,6 +27,8 @@ CASES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "exit0": ({"EXIT_AT": "5"}, KILL),
     "thread-dies": ({"METER": "1", "THREAD_DIES": "1", "STEPS": "120"}, KILL),
     "uploader-dies": ({"UPLOADER_DIES": "1"}, KILL),
+    "prefetch-dies": ({"PREFETCH": "dies"}, KILL),
+    "prefetch-stuck": ({"PREFETCH": "stuck"}, KILL),
     # rank 0's irecv stays pending for the whole loop (about 6 s, longer than the hang timeout)
     "pending-irecv": ({"PENDING": "1", "STEPS": "60"}, KILL),
     "unused": ({"UNUSED": "1"}, KILL),
@@ -117,6 +119,32 @@ def test_a_thread_that_died_is_named_as_the_cause_of_its_peers_wait(runs: dict) 
     (warning,) = [w for w in res.events(1, "warning") if w["code"] == "thread_exception"]
     assert warning["thread"] and warning["caller"] == v["location"], warning
     assert not res.verdicts("thread."), res.report["verdicts"]  # the hang names it: not said twice
+
+
+def test_a_main_thread_waiting_for_its_dead_prefetch_thread_is_placed_at_the_threads_error(
+    runs: dict,
+) -> None:
+    """Rank 1's prefetch thread raised; its main thread waits in Queue.get for a batch that never
+    comes. The thread issued no collective (the main loop, in the same file, did), so the verdict
+    says the main thread waits for it, not that the thread's calls stopped."""
+    res = _run(runs, "prefetch-dies", 124)
+    (v,) = res.verdicts("hang")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# marker: prefetch raises", SCRIPT), v
+    assert "waits in Queue.get() for another thread of its own" in v["summary"], v
+    assert "shard 5 unreadable" in v["summary"] and "issued these calls" not in v["summary"], v
+
+
+def test_a_main_thread_waiting_for_its_stuck_prefetch_thread_names_where_that_thread_is(runs: dict) -> None:
+    res = _run(runs, "prefetch-stuck", 124)
+    (v,) = res.verdicts("hang")
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 1), v
+    assert v["location"] == script_line("# marker: queue get", SCRIPT), v
+    stuck = script_line("# marker: prefetch stuck", SCRIPT)
+    assert f"thread 'prefetch' is at {stuck} in prefetch()" in v["summary"], v
+    assert v["details"]["awaited_threads"] == [
+        {"name": "prefetch", "frame": stuck, "function": "prefetch"}
+    ], v
 
 
 def test_a_thread_that_died_while_its_rank_went_on_is_a_warning_of_its_own(runs: dict) -> None:

@@ -207,6 +207,9 @@ def _dump_one(
         "top_user_function": top[1] if top else None,
     }
     result.update(marks)
+    helpers = _user_threads(threads, main, roots)
+    if helpers:
+        result["threads"] = helpers
     if (main or {}).get("owns_gil") is True:
         # a main thread that keeps the GIL while the process hangs is in native code that did not
         # release it: none of the process's Python threads can run
@@ -258,6 +261,30 @@ def top_user_frame(thread: dict[str, Any] | None, roots: CodeRoots | None = None
         if not roots.is_internal(filename):
             return f"{filename}:{frame.get('line')}", str(frame.get("name"))
     return None
+
+
+#: most threads a dump names besides the main one
+MAX_NAMED_THREADS = 8
+
+
+def _user_threads(threads: Any, main: dict[str, Any] | None, roots: CodeRoots) -> list[dict[str, Any]]:
+    """The process's other threads that are in the user's own code (a prefetcher, a metrics
+    thread), with the innermost such frame: where a main thread that waits for one of them is
+    really held. sddoctor's own threads, and threads only in library code, are left out."""
+    named = []
+    for thread in threads if isinstance(threads, list) else []:
+        if thread is main or not isinstance(thread, dict):
+            continue
+        if str(thread.get("thread_name") or "").startswith("sddoctor-"):
+            continue
+        for frame in thread.get("frames") or []:
+            if isinstance(frame, dict) and roots.is_user(str(frame.get("filename", ""))):
+                where = f"{frame.get('filename')}:{frame.get('line')}"
+                named.append(
+                    {"name": thread.get("thread_name"), "frame": where, "function": frame.get("name")}
+                )
+                break
+    return named[:MAX_NAMED_THREADS]
 
 
 def format_threads(threads: Any) -> str:

@@ -11,6 +11,9 @@
 - THREAD_DIES=1: rank 1's meter thread raises at its 4th round; rank 0's meter waits for it.
 - UPLOADER_DIES=1: rank 1 hands its step-AT results to an upload thread, which raises; the ranks
   train on to a healthy end without it.
+- PREFETCH=dies|stuck: each rank's batches come from a prefetch thread through a queue; rank 1's
+  thread raises (dies) or blocks (stuck) at its step-AT batch, and its main thread waits in
+  Queue.get while rank 0 waits in the all-reduce.
 - PENDING=1: rank 0 posts an irecv from rank 1 before the loop and waits for it after; rank 1
   sends at the end (an early-stop flag left pending on purpose).
 - UNUSED=1: a bug every rank shares: a DDP model with a head its forward never uses and
@@ -21,6 +24,7 @@ Prints "done <rank> <sum>" at the end."""
 
 import multiprocessing
 import os
+import queue
 import threading
 import time
 
@@ -53,6 +57,15 @@ class Meter(threading.Thread):
                 raise RuntimeError("metrics endpoint unreachable")  # marker: thread dies
             dist.all_reduce(torch.ones(1), group=self.group)  # marker: meter all_reduce
             time.sleep(0.2)
+
+
+def prefetch(batches, rank):
+    for step in range(1, STEPS + 1):
+        if rank == 1 and step == AT:
+            if os.environ["PREFETCH"] == "dies":
+                raise OSError(f"shard {step} unreadable")  # marker: prefetch raises
+            time.sleep(600)  # marker: prefetch stuck
+        batches.put(torch.full((4,), float(rank + step)))
 
 
 def upload(step):
@@ -96,8 +109,11 @@ def main():
         meter.start()
     flag = torch.zeros(1)
     pending = dist.irecv(flag, src=1) if os.environ.get("PENDING") == "1" and rank == 0 else None
+    batches = queue.Queue(maxsize=2)
+    if os.environ.get("PREFETCH"):
+        threading.Thread(target=prefetch, args=(batches, rank), name="prefetch", daemon=True).start()
     for step in range(1, STEPS + 1):
-        x = read_batch(rank, step)
+        x = batches.get() if os.environ.get("PREFETCH") else read_batch(rank, step)  # marker: queue get
         dist.all_reduce(x)  # marker: step all_reduce
         total += int(x.sum())
         if os.environ.get("UPLOADER_DIES") == "1" and rank == 1 and step == AT:
