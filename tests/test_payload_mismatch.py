@@ -22,6 +22,14 @@ def test_reduce_op_positions_are_torchs() -> None:
         assert list(inspect.signature(fn).parameters)[position] == "op", name
 
 
+def test_root_positions_match_torchs_signatures() -> None:
+    rooted = [spec for spec in tracing._SPECS if spec.root is not None]
+    assert {spec.name for spec in rooted} >= {"broadcast", "reduce", "gather", "scatter"}
+    for spec in rooted:
+        name, position = spec.root
+        assert list(inspect.signature(getattr(dist, spec.name)).parameters)[position] == name, spec.name
+
+
 def _record_calls(_index: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -35,6 +43,9 @@ def _record_calls(_index: int, port: int, out: dict) -> None:
             t, op=dist.ReduceOp(dist.ReduceOp.AVG) if hasattr(dist.ReduceOp, "AVG") else dist.ReduceOp.SUM
         )
         dist.broadcast(torch.zeros(6, dtype=torch.float64), src=0)
+        dist.broadcast(torch.zeros(2), 0)
+        dist.gather(torch.zeros(2), [torch.zeros(2)], dst=0)
+        dist.broadcast_object_list([1], src=0)
         dist.all_gather([torch.zeros(2)], torch.ones(2))
         dist.all_gather_into_tensor(torch.zeros(5), torch.ones(5))
         dist.reduce_scatter_tensor(torch.zeros(3), torch.ones(3), op=dist.ReduceOp.MAX)
@@ -54,7 +65,10 @@ def test_each_call_records_what_every_rank_must_pass_alike() -> None:
         ("all_reduce", "float32[12] MAX"),  # op passed by position
         ("all_reduce", "int32[12] MIN"),
         ("all_reduce", "float32[12] AVG"),  # a ReduceOp instance
-        ("broadcast", "float64[6]"),
+        ("broadcast", "float64[6] root 0"),
+        ("broadcast", "float32[2] root 0"),  # src passed by position
+        ("gather", "root 0"),  # the root's list, the others' none: only the root compared
+        ("broadcast_object_list", "root 0"),
         ("all_gather", "float32"),  # sizes may differ (uneven all_gather): dtype only
         ("all_gather_into_tensor", "float32[5]"),
         ("reduce_scatter_tensor", "float32[3] MAX"),

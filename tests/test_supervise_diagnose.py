@@ -487,6 +487,20 @@ def test_no_hang_after_the_job_ended() -> None:
     assert not [v for v in diagnose(state) if v.kind.startswith("hang")]
 
 
+def test_a_rooted_call_whose_ranks_pass_different_roots_is_a_mismatch() -> None:
+    """Same op and shapes, roots 0 and 1 (src=rank): no 'communication stuck'. And a broadcast
+    whose record has no root (DDP's buffers, an older writer) is compared as before."""
+    mine = [{**call(6, "broadcast", caller="train.py:50"), "root": r} for r in (0, 1)]
+    state = hung(rank(0, inflight=[mine[0]], issued=6), rank(1, inflight=[mine[1]], issued=6))
+    (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert (v.kind, v.culprit_rank, v.location) == ("hang.mismatch", None, "train.py:50"), v.summary
+    assert "root 0 at train.py:50" in v.summary and "passed different roots" in v.summary
+    same = {**call(6, "broadcast", caller="train.py:50")}
+    state = hung(rank(0, inflight=[same], issued=6), rank(1, inflight=[same], issued=6))
+    (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert v.kind == "hang.comm", v.summary
+
+
 def test_mismatch_summary_names_both_shapes() -> None:
     state = hung(rank(0, inflight=[call(3, shapes=[[8]])]), rank(1, inflight=[call(3, shapes=[[9]])]))
     (v,) = [v for v in diagnose(state) if v.kind == "hang.mismatch"]

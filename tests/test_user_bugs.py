@@ -30,6 +30,7 @@ CASES: dict[str, dict[str, str]] = {
     "reduce_op": {"BUG": "reduce_op"},
     "breakpoint": {"BUG": "breakpoint"},
     "dtype": {"BUG": "dtype"},
+    "root": {"BUG": "root"},
 }
 
 
@@ -151,3 +152,14 @@ def test_a_breakpoint_left_in_a_rank_is_said_to_be_one(runs: dict) -> None:
     assert "raised BdbQuit at" in crash["summary"] and "pdb read end-of-input" in crash["summary"], crash
     assert crash["details"]["known_error"]["code"] == "debugger_without_terminal"
     assert "torch.distributed.breakpoint(rank=N)" in crash["evidence"][-1]
+
+
+def test_a_broadcast_whose_root_differs_per_rank_is_a_mismatch_at_its_line(runs: dict) -> None:
+    """`dist.broadcast(t, src=rank)`: each rank waits to send to the others, with the same op and
+    shapes. The roots tell them apart; the line every rank called is where the fix goes."""
+    v = _verdict(_run(runs, "root", 124))
+    assert (v["kind"], v["culprit_rank"]) == ("hang.mismatch", None), v
+    assert v["location"] == script_line("# ROOT FROM RANK", SCRIPT), v
+    assert "root 0 at" in v["summary"] and "root 1 at" in v["summary"], v
+    assert "passed different roots" in v["summary"], v
+    assert {c["root"] for c in v["details"]["calls"].values()} == {0, 1}, v

@@ -86,27 +86,35 @@ _SAME_PAYLOAD = frozenset(
 #: list forms whose tensors may differ in size between ranks (NCCL's uneven all_gather): their
 #: dtypes and reduce op must still agree
 _SAME_DTYPE = frozenset({"all_gather", "all_gather_coalesced", "reduce_scatter"})
+#: rooted calls whose payloads may differ between ranks (the root's list, the others' none): only
+#: the root must agree
+_SAME_ROOT = frozenset({"gather", "scatter", "broadcast_object_list", "gather_object", "scatter_object_list"})
 
 
 def payload_signature(rec: Any) -> str | None:
     """What every rank must pass alike to this call, as text ("float32[32] MAX": each tensor's
-    dtype and element count, the reduce op), for comparing ranks after the fact: a call whose
-    ranks disagree on these can complete and still be wrong (SUM on one rank and MAX on another,
-    float32 against int32). Shapes are not compared: the backends see flat memory, so a tensor
-    viewed in another shape of the same size is not a mistake. None for calls whose arguments may
-    differ between ranks (gather, scatter, all_to_all, objects, point-to-point)."""
+    dtype and element count, the reduce op, a rooted call's root), for comparing ranks after the
+    fact: a call whose ranks disagree on these can complete and still be wrong (SUM on one rank and
+    MAX on another, float32 against int32). Shapes are not compared: the backends see flat memory,
+    so a tensor viewed in another shape of the same size is not a mistake. None for calls whose
+    arguments may differ between ranks (all_to_all, all_gather_object, point-to-point); gather,
+    scatter and the rooted object calls compare their root only."""
     try:
         if rec.op in _SAME_PAYLOAD:
             sizes = [math.prod(shape) for shape in rec.shapes]
             tensors = [f"{dtype_name(d)}[{n}]" for d, n in zip(rec.dtypes, sizes, strict=False)]
         elif rec.op in _SAME_DTYPE:
             tensors = [dtype_name(d) for d in rec.dtypes]
+        elif rec.op in _SAME_ROOT and getattr(rec, "root", None) is not None:
+            tensors = []
         else:
             return None
         reduce = _reduce_name(rec.reduce)
+        root = getattr(rec, "root", None)
     except Exception:  # noqa: BLE001 - an odd record is left uncompared, never a lost flush
         return None
-    return " ".join([";".join(tensors)] + ([reduce] if reduce else []))
+    parts = ([";".join(tensors)] if tensors else []) + ([reduce] if reduce else [])
+    return " ".join(parts + ([f"root {root}"] if root is not None else []))
 
 
 def _reduce_name(op: Any) -> str | None:

@@ -72,6 +72,9 @@ class OpSpec:
     payload: str | None  # parameter holding the tensor (or list) whose shape is recorded
     kind: str = "coll"  # "coll" | "p2p" | "batch" | "object"
     peer: str | None = None  # dst/src parameter of p2p ops
+    #: (name, position) of a rooted collective's root parameter (broadcast's src, reduce's dst):
+    #: every rank must pass the same root
+    root: tuple[str, int] | None = None
     #: numbered apart from the group's collectives (only two ranks take part); set from `kind`
     p2p: bool = field(default=False, init=False)
 
@@ -88,20 +91,20 @@ _SPECS: tuple[OpSpec, ...] = (
     # torch >= 2.12: FSDP2 calls these directly (absent names are skipped)
     OpSpec("all_gather_single", "input_tensor"),
     OpSpec("reduce_scatter_single", "input"),
-    OpSpec("broadcast", "tensor"),
-    OpSpec("reduce", "tensor"),
+    OpSpec("broadcast", "tensor", root=("src", 1)),
+    OpSpec("reduce", "tensor", root=("dst", 1)),
     OpSpec("all_to_all", "input_tensor_list"),
     OpSpec("all_to_all_single", "input"),
     OpSpec("all_reduce_coalesced", "tensors"),
     OpSpec("all_gather_coalesced", "input_tensor_list"),
     OpSpec("barrier", None),
     OpSpec("monitored_barrier", None),
-    OpSpec("gather", "tensor"),
-    OpSpec("scatter", "tensor"),
+    OpSpec("gather", "tensor", root=("dst", 2)),
+    OpSpec("scatter", "tensor", root=("src", 2)),
     OpSpec("all_gather_object", None, "object"),
-    OpSpec("broadcast_object_list", "object_list", "object"),
-    OpSpec("gather_object", None, "object"),
-    OpSpec("scatter_object_list", "scatter_object_output_list", "object"),
+    OpSpec("broadcast_object_list", "object_list", "object", root=("src", 1)),
+    OpSpec("gather_object", None, "object", root=("dst", 2)),
+    OpSpec("scatter_object_list", "scatter_object_output_list", "object", root=("src", 2)),
     OpSpec("send", "tensor", "p2p", "dst"),
     OpSpec("recv", "tensor", "p2p", "src"),
     OpSpec("isend", "tensor", "p2p", "dst"),
@@ -147,6 +150,7 @@ class _Rec:
         "peer",
         "ddp",
         "reduce",
+        "root",
         "user_async",
         "off_main",
     )
@@ -168,6 +172,8 @@ class _Rec:
     ddp: str | None
     #: the reduce op passed to a reducing collective (a torch ReduceOp, named at flush time)
     reduce: Any
+    #: the root a rooted collective was given (`root_of`): a global rank, or "group rank N"
+    root: int | str | None
     #: the program asked for a Work back (async_op=True, isend/irecv) and waits for it when it
     #: chooses: such a call may stay pending while the program goes on
     user_async: bool
@@ -177,7 +183,7 @@ class _Rec:
     def __init__(self) -> None:
         # optional fields default here so every construction site (and a hand-built record)
         # yields a complete record; the call sites fill in the rest
-        self.handle, self.t1, self.peer, self.ddp, self.reduce = None, None, None, None, None
+        self.handle, self.t1, self.peer, self.ddp, self.reduce, self.root = None, None, None, None, None, None
         self.deferred, self.exact_end, self.user_async, self.off_main = False, False, False, False
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
@@ -197,6 +203,8 @@ class _Rec:
             d["off_main"] = True
         if self.peer is not None:
             d["peer"] = self.peer
+        if self.root is not None:
+            d["root"] = self.root
         if self.ddp is not None:
             d["ddp"] = self.ddp
         if self.t1 is not None:
@@ -380,6 +388,7 @@ class Tracer:
             )
         else:
             rec.reduce = None
+        rec.root = root_of(spec, args, kwargs) if spec.root is not None else None
         if frame is not None:
             rec.file, rec.line = frame.f_code.co_filename, frame.f_lineno
         else:
@@ -1009,6 +1018,19 @@ def _caller_frame(frame: Any, library_fallback: bool = True) -> Any:
             fallback = frame
         frame = frame.f_back
     return fallback
+
+
+def root_of(spec: OpSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | str | None:
+    """The root a rooted collective was given: its `src`/`dst` (a global rank), else its
+    `group_src`/`group_dst` (torch >= 2.6: a rank within the group) as "group rank N"."""
+    if spec.root is None:
+        return None
+    name, position = spec.root
+    value = kwargs[name] if name in kwargs else (args[position] if position < len(args) else None)
+    if isinstance(value, int):
+        return value
+    local = kwargs.get(f"group_{name}")
+    return f"group rank {local}" if isinstance(local, int) else None
 
 
 #: DDP's broadcast of its module buffers (BatchNorm's running statistics) from rank 0 before each

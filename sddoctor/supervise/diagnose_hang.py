@@ -330,8 +330,14 @@ class _GroupWait:
     def disagrees(self, calls: dict[int, Collective]) -> bool:
         if is_p2p(self.call):
             return False  # a send and its recv differ by nature; p2p numbers count per pair
-        signatures = {f"{calls[r].op} {calls[r].shapes}" for r in self.waiters}
+        signatures = {f"{calls[r].op} {_passed_text(calls[r])}" for r in self.waiters}
         return len(signatures) > 1 or bool(self.out_of_step)
+
+
+def _passed_text(call: Collective) -> str:
+    """What every rank must pass alike to a collective it waits in, besides the op: "shapes [[8]]",
+    and a rooted call's root ("shapes [[8]] root 1")."""
+    return f"shapes {call.shapes}" + (f" root {call.root}" if call.root is not None else "")
 
 
 def _group_waits(state: RunState, calls: dict[int, Collective], expected: list[int]) -> list[_GroupWait]:
@@ -882,7 +888,7 @@ def _mismatch_verdict(
     groups: dict[str, list[int]] = {}
     for r in involved:
         c = calls[r]
-        groups.setdefault(f"{c.op} #{c.seq} shapes {c.shapes}", []).append(r)
+        groups.setdefault(f"{c.op} #{c.seq} {_passed_text(c)}", []).append(r)
     minority = min(groups.values(), key=len) if len(groups) > 1 else []
     parted = parted_sites(state, pg, involved, calls)
     odd = sorted(parted.odd) if parted is not None and len(parted.odd) < len(parted.sites) else []
@@ -894,7 +900,7 @@ def _mismatch_verdict(
     suspects = suspects or list(departed)
     culprit = _pick_culprit(state, suspects or involved, ("shape", "skip"), require_evidence=not suspects)
     parts = [
-        f"rank {r}: {calls[r].op} #{calls[r].seq} shapes {calls[r].shapes} at {calls[r].caller}"
+        f"rank {r}: {calls[r].op} #{calls[r].seq} {_passed_text(calls[r])} at {calls[r].caller}"
         for r in involved
     ]
     summary = f"hang: ranks disagree on collective #{seq} (pg {pg}): " + "; ".join(parts)
@@ -914,6 +920,15 @@ def _mismatch_verdict(
         details["left_routine"] = {"rank": r, **departure.to_dict()}
     if uneven:
         summary += f". {uneven}"
+    roots = {calls[r].root for r in involved if calls[r].op == calls[involved[0]].op}
+    if len(roots) > 1 and None not in roots:
+        summary += (
+            ". The ranks passed different roots: every rank must pass the same src/dst to "
+            f"{calls[involved[0]].op} (a root computed from the rank differs on each)"
+        )
+    sites = {calls[r].caller for r in involved}
+    if location is None and len(sites) == 1:
+        location = sites.pop()  # every rank at one line: the fix is there, whoever is blamed
     details.update(calls={str(r): calls[r].to_dict() for r in involved}, out_of_step_ranks=out_of_step)
     fault = fault_of(state.ranks[culprit], ("shape", "skip")) if culprit in state.ranks else None
     if fault:

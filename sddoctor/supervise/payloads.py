@@ -9,8 +9,9 @@ what all ranks must pass alike (`sig`: dtypes, element counts, reduce op; see
 `sddoctor.instrument.timeline.payload_signature`); this module compares them across ranks by
 (process group, sequence number) once the run has ended.
 
-Calls whose arguments may legitimately differ (gather, scatter, all_to_all, object collectives,
-point-to-point) carry no signature and are not compared. A (group, seq) that one rank recorded
+Calls whose arguments may legitimately differ (all_to_all, all_gather_object, point-to-point)
+carry no signature and are not compared; gather, scatter and the rooted object calls compare
+their root only. A (group, seq) that one rank recorded
 twice (a torchrun restart numbers its calls from 1 again) is skipped rather than guessed at.
 """
 

@@ -62,6 +62,9 @@ class Collective:
     is_async: bool = False
     #: the other rank of a point-to-point call (send's dst, recv's src)
     peer: int | None = None
+    #: the root a rooted collective was given (broadcast's src, reduce's dst...): a global rank,
+    #: or "group rank N" when the program passed group_src/group_dst
+    root: int | str | None = None
     #: issued by DDP inside a training step: "bucket" (a gradient bucket's all-reduce, in the
     #: backward) or "buffers" (the buffer broadcast before the forward); None for any other call
     ddp: str | None = None
@@ -85,6 +88,7 @@ class Collective:
             duration=_num(record.get("duration")),
             is_async=record.get("async") is True,
             peer=_int(record.get("peer")),
+            root=_int(record.get("root")) if not isinstance(record.get("root"), str) else record["root"],
             ddp=_str(record.get("ddp")),
             user_async=record.get("user_async") is True,
             off_main=record.get("off_main") is True,

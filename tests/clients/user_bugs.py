@@ -17,6 +17,7 @@ BUG=order), BUG, one of:
   reduce_op    rank 1 reduces the epoch metric with MAX where rank 0 sums it (nothing hangs)
   dtype        rank 1's epoch metric is int32 where rank 0's is float32 (same width: nothing hangs)
   breakpoint   a breakpoint() left in rank 1's loop at step AT (no terminal: pdb quits)
+  root         each rank broadcasts the epoch metric from itself (src=rank where src=0 was meant)
 """
 
 import os
@@ -66,6 +67,9 @@ def epoch_end_sync(rank, loss_sum, batches):
         stats = stats.to(torch.int32)  # METRIC DTYPE
     if BUG == "reduce_op" and rank == 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # METRIC MAX
+        return stats
+    if BUG == "root":
+        dist.broadcast(stats, src=rank)  # ROOT FROM RANK
         return stats
     if BUG != "order":
         dist.all_reduce(stats)  # EPOCH METRIC
