@@ -777,6 +777,15 @@ def test_a_size_mismatch_abort_without_records_says_where_the_ranks_were() -> No
         "rank 0's last recorded call was all_reduce #10 (DDP's gradient all-reduce in the backward) at /u/t.py:89"
         in v.summary
     ), v.summary
+    # the peer's call raised (connection reset) and its record says what it passed there
+    r0 = state.ranks[0] = rank(0, alive=False, exit={"t": 10.2, "signal": 15}, done=bucket)
+    r0.state["collectives"]["failed"] = {
+        **call(11, caller="/u/t.py:13"),
+        "dtypes": ["float64"],
+        "shapes": [[8]],
+    }
+    (v,) = diagnose(state)
+    assert "rank 0 was in all_reduce #11 (float64[8]) at /u/t.py:13, which raised" in v.summary, v.summary
 
 
 # -- OOM --------------------------------------------------------------------------------------

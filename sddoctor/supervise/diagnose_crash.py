@@ -733,8 +733,19 @@ def _last_positions(state: RunState) -> list[str]:
     for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
         frame = _fatal_frame(rank) if rank.fatal else None
         call = blocked_call(rank) or rank.snapshot.last_done
+        failed = rank.snapshot.failed
         if frame is not None:
             said.append(f"rank {rank.rank} aborted at {frame} (its fatal-signal dump)")
+        elif failed is not None and (call is None or (failed.seq or 0) >= (call.seq or 0)):
+            # the call it was in when its peer aborted, which raised (connection reset): what it
+            # passed there is what the peer's call disagreed with
+            passed = zip(failed.dtypes or [], failed.shapes or [], strict=False)
+            tensors = ", ".join(f"{dtype}{list(shape)}" for dtype, shape in passed)
+            said.append(
+                f"rank {rank.rank} was in {failed.op} #{failed.seq}"
+                + (f" ({tensors})" if tensors else "")
+                + f" at {failed.caller}, which raised"
+            )
         elif call is not None:
             what = f" ({DDP_STEP_CALLS[call.ddp]})" if call.ddp in DDP_STEP_CALLS else ""
             said.append(
