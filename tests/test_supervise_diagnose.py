@@ -10,6 +10,7 @@ import torch
 
 import sddoctor.instrument.api
 from sddoctor.supervise.diagnose import diagnose, place_stackless_culprits
+from sddoctor.supervise.diagnose_base import group_creation_text
 from sddoctor.supervise.diagnose_crash import last_traceback
 from sddoctor.supervise.diagnose_oom import host_oom_finding
 from sddoctor.supervise.state import Arrival, RankState, RunState
@@ -499,6 +500,15 @@ def test_a_rooted_call_whose_ranks_pass_different_roots_is_a_mismatch() -> None:
     state = hung(rank(0, inflight=[same], issued=6), rank(1, inflight=[same], issued=6))
     (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
     assert v.kind == "hang.comm", v.summary
+
+
+def test_a_stack_inside_torchs_group_creation_says_every_rank_must_call_it() -> None:
+    c10d = "/env/site-packages/torch/distributed/distributed_c10d.py"
+    mesh = "/env/site-packages/torch/distributed/device_mesh.py"
+    frames = [f"{c10d}:2169 in _new_process_group_helper", f"{c10d}:5863 in new_group", "/u/t.py:18 in main"]
+    assert group_creation_text(frames).startswith("; it waits inside new_group(), which every rank")
+    assert "inside init_device_mesh()" in group_creation_text([f"{mesh}:1090 in init_device_mesh"])
+    assert group_creation_text(["/u/t.py:18 in new_group", f"{c10d}:4000 in all_reduce"]) == ""
 
 
 def test_mismatch_summary_names_both_shapes() -> None:

@@ -31,6 +31,7 @@ CASES: dict[str, dict[str, str]] = {
     "breakpoint": {"BUG": "breakpoint"},
     "dtype": {"BUG": "dtype"},
     "root": {"BUG": "root"},
+    "group_rank0": {"BUG": "group_rank0"},
 }
 
 
@@ -163,3 +164,12 @@ def test_a_broadcast_whose_root_differs_per_rank_is_a_mismatch_at_its_line(runs:
     assert "root 0 at" in v["summary"] and "root 1 at" in v["summary"], v
     assert "passed different roots" in v["summary"], v
     assert {c["root"] for c in v["details"]["calls"].values()} == {0, 1}, v
+
+
+def test_a_group_only_one_rank_creates_names_that_rank_inside_new_group(runs: dict) -> None:
+    """new_group under `if rank == 0`: rank 0 waits inside it for rank 1, which waits in the next
+    all-reduce. The verdict says new_group must be called by every rank."""
+    v = _verdict(_run(runs, "group_rank0", 124))
+    assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 0), v
+    assert v["location"] == script_line("# GROUP ON RANK 0", SCRIPT), v
+    assert "it waits inside new_group(), which every rank of the parent group must call" in v["summary"], v

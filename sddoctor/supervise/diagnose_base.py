@@ -183,7 +183,8 @@ def where_is(rank: RankState, state: RunState | None = None) -> tuple[str | None
     if rank.stack and rank.stack.get("top_user_frame"):
         frame = rank.stack["top_user_frame"]
         func = rank.stack.get("top_user_function")
-        return frame, f"its stack is at {frame}" + (f" in {func}()" if func else "")
+        text = f"its stack is at {frame}" + (f" in {func}()" if func else "")
+        return frame, text + group_creation_text(rank.stack.get("frames") or [])
     ended_at = ended_position(rank)
     if ended_at is not None:
         return ended_at
@@ -201,6 +202,28 @@ def where_is(rank: RankState, state: RunState | None = None) -> tuple[str | None
     if phase:
         return None, f"it is in phase {phase!r}"
     return None, "no stack or collective record says where"
+
+
+#: torch's calls that create process groups: collective over the parent group, so every rank of
+#: it must make them in the same order (members of the new group or not)
+_GROUP_CREATION = re.compile(
+    r"/torch/distributed/(distributed_c10d\.py:\d+ in (new_group|new_subgroups\w*)|"
+    r"device_mesh\.py:\d+ in (init_device_mesh|DeviceMesh\.__init__))$"
+)
+
+
+def group_creation_text(frames: list[Any]) -> str:
+    """ "; it waits inside new_group(), ..." when the stack is inside torch's creation of a process
+    group: a rank there waits for the ranks that never call it (called under `if rank == 0`)."""
+    for frame in frames:
+        found = _GROUP_CREATION.search(str(frame))
+        if found:
+            call = next(name for name in found.groups()[1:] if name)
+            return (
+                f"; it waits inside {call.removeprefix('DeviceMesh.')}(), which every rank of the parent "
+                "group must call, in the same order, whether or not it is a member of the new group"
+            )
+    return ""
 
 
 def sampled_position(rank: RankState) -> tuple[str, str] | None:

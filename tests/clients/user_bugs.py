@@ -18,6 +18,7 @@ BUG=order), BUG, one of:
   dtype        rank 1's epoch metric is int32 where rank 0's is float32 (same width: nothing hangs)
   breakpoint   a breakpoint() left in rank 1's loop at step AT (no terminal: pdb quits)
   root         each rank broadcasts the epoch metric from itself (src=rank where src=0 was meant)
+  group_rank0  rank 0 alone creates a process group of both ranks at the epoch end
 """
 
 import os
@@ -68,6 +69,8 @@ def epoch_end_sync(rank, loss_sum, batches):
     if BUG == "reduce_op" and rank == 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # METRIC MAX
         return stats
+    if BUG == "group_rank0" and rank == 0:
+        dist.new_group([0, 1])  # GROUP ON RANK 0
     if BUG == "root":
         dist.broadcast(stats, src=rank)  # ROOT FROM RANK
         return stats
