@@ -88,6 +88,26 @@ def test_a_straggler_behind_its_data_parallel_pair_is_named(tmp_path: Path) -> N
     assert_no_sddoctor_traceback(res)
 
 
+def test_two_equally_slow_ranks_of_four_are_named_together(tmp_path: Path) -> None:
+    """Ranks 1 and 3 of 4 sleep 0.3 s before each forward (two GPUs of four throttling): neither
+    alone is most of the others' wait, since they take turns being last by a hair; together they
+    are one straggler finding that names both."""
+    script = CLIENTS / "ddp_tutorial.py"
+    res = run_supervised(
+        tmp_path,
+        torchrun(4, str(script)),
+        options=("--hang-timeout", "30"),
+        fault="sleep:rank=1|3,seconds=0.3,step=2,every=1",
+        env={"OMP_NUM_THREADS": "1", "STEPS": "50"},
+        timeout=150,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    (v,) = res.report["verdicts"]
+    assert v["kind"] == "straggler" and sorted(v["details"]["ranks"]) == [1, 3], v
+    assert v["culprit_rank"] in (1, 3) and v["summary"].startswith("stragglers: ranks 1, 3"), v
+    assert_no_sddoctor_traceback(res)
+
+
 def test_a_skipped_async_all_reduce_is_named_before_the_later_blocking_call(tmp_path: Path) -> None:
     """Rank 0 issues its gradient all-reduces with async_op=True and then blocks in an all_gather;
     rank 1 never issued the first of the async ones, which the verdict names too."""

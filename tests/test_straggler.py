@@ -58,6 +58,36 @@ def test_who_is_a_straggler(computes: list[float], culprit: int | None) -> None:
     assert found == ([] if culprit is None else [culprit])
 
 
+@pytest.mark.parametrize("jitter", [0.0, 0.004], ids=["tied", "trading-places"])
+def test_two_equally_slow_ranks_of_four_are_one_finding_that_names_both(jitter: float) -> None:
+    """Two GPUs of four throttle: ranks 1 and 3 each take 0.4 s where the others take 0.05 s. Who
+    of the two is last is a tie, or a few ms either way; each alone is never 'most of the waiting',
+    but together they keep the others waiting at every step."""
+    ranks = synced([0.05, 0.40, 0.05, 0.40], n=40)
+    for k in range(1, 41):
+        ranks[1 + 2 * (k % 2)].arrivals["0"][k].enqueue += jitter
+    (v,) = [v for v in diagnose(state_of(ranks)) if v.kind == "straggler"]
+    assert v.culprit_rank in (1, 3) and v.details["ranks"][0] == v.culprit_rank, v.details
+    assert sorted(v.details["ranks"]) == [1, 3], v.details
+    assert v.summary.startswith("stragglers: ranks 1, 3 are each slower than the others"), v.summary
+
+
+def test_a_slower_majority_is_not_a_set_of_stragglers() -> None:
+    assert stragglers(state_of(synced([0.05, 0.40, 0.40, 0.40], n=40))) == []
+
+
+def test_the_tracker_keeps_one_episode_while_equally_slow_ranks_trade_places() -> None:
+    tracker = StragglerTracker(confirm_seconds=0.0, confirm_steps=0)
+    declared = []
+    for k in range(6):
+        ranks = synced([0.05, 0.40, 0.05, 0.40], n=40)
+        ranks[1 if k % 2 else 3].arrivals["0"][40].enqueue += 0.01  # the slowest changes each time
+        episode = tracker.update(state_of(ranks), now=NOW + k)
+        declared += [episode] if episode else []
+    assert len(declared) == 1 and len(tracker.episodes) == 1
+    assert sorted(declared[0].finding.ranks) == [1, 3]
+
+
 def test_figures_per_step() -> None:
     finding = analyse(state_of(synced([0.01, 0.31])))
     assert finding is not None and finding.rank == 1

@@ -76,6 +76,9 @@ class Finding:
     shares: dict[int, dict[str, float]] = field(default_factory=dict)
     #: collectives at which it was last by at least a quarter of its worst lateness in the window
     heavy_rounds: int = 0
+    #: every rank of the slow set, `rank` (the slowest) first: ranks equally slow (two GPUs of
+    #: four throttling) take turns being last by a hair, so they are judged as one
+    ranks: list[int] = field(default_factory=list)
 
     @property
     def unit(self) -> str:
@@ -109,6 +112,7 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
+            "ranks": self.ranks or [self.rank],
             "ratio": round(self.ratio, 2),
             "unit": self.unit,
             "seconds_per_unit": round(self.seconds_per_unit, 4),
@@ -159,20 +163,24 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
             "busy": max(0.0, 1.0 - wait),
             "last": last / margins if margins else 0.0,
         }
-    slow = max(shares, key=lambda r: (shares[r]["busy"], shares[r]["last"]))
-    others = [s for r, s in shares.items() if r != slow]
+    group = _slow_set(shares, state.straggler_ratio)
+    slow = group[0]
+    # the slow set arrives as one: who of it is last by a hair at each call decides nothing
+    merged = [x for t in rounds if (x := _last_arrival(_as_one(t, group))) is not None]
+    merged_margins = sum(m for _, m in merged)
+    others = [s for r, s in shares.items() if r not in group]
     others_busy = median(s["busy"] for s in others)
     steps, period = _steps_in(live, since, latest)
-    own = [m for r, m in lasts if r == slow]
+    own = [m for r, m in merged if r == slow]
     return Finding(
         rank=slow,
-        ratio=shares[slow]["busy"] / max(others_busy, 0.01),
+        ratio=min(shares[r]["busy"] for r in group) / max(others_busy, 0.01),
         busy_share=shares[slow]["busy"],
         others_busy_share=others_busy,
         others_wait_share=median(s["wait"] for s in others),
-        last_share=shares[slow]["last"],
+        last_share=sum(own) / merged_margins if merged_margins else 0.0,
         collectives=len(rounds),
-        decided=len(lasts),
+        decided=len(merged),
         steps=steps,
         period=period,
         per_collective=span / len(rounds),
@@ -181,7 +189,32 @@ def analyse(state: RunState, window: float = WINDOW) -> Finding | None:
         until=end,
         shares=shares,
         heavy_rounds=sum(1 for m in own if m >= 0.25 * max(own)) if own else 0,
+        ranks=group,
     )
+
+
+def _slow_set(shares: dict[int, dict[str, float]], ratio: float) -> list[int]:
+    """The ranks the others wait for, slowest first: the slowest rank, and with it the next ones
+    as long as each works `ratio` times the median of the ranks after it (at most half the ranks:
+    a majority that is slower is the norm, not stragglers)."""
+    order = sorted(shares, key=lambda r: (shares[r]["busy"], shares[r]["last"]), reverse=True)
+    group = order[:1]
+    for k in range(2, len(order) // 2 + 1):
+        rest = median(shares[r]["busy"] for r in order[k:])
+        if shares[order[k - 1]]["busy"] >= ratio * max(rest, 0.01):
+            group = order[:k]
+    return group
+
+
+def _as_one(times: dict[int, float], group: list[int]) -> dict[int, float]:
+    """A collective's arrivals with the slow set as one rank (its first), arriving with its last."""
+    if len(group) < 2:
+        return times
+    merged = {r: t for r, t in times.items() if r not in group}
+    together = [times[r] for r in group if r in times]
+    if together:
+        merged[group[0]] = max(together)
+    return merged
 
 
 def _judged_ranks(state: RunState) -> list[RankState]:
@@ -321,7 +354,14 @@ class StragglerTracker:
         self.confirm_seconds = confirm_seconds
         self.confirm_steps = confirm_steps
         self.episodes: dict[int, Episode] = {}
-        self._candidate: tuple[int, float, int] | None = None  # rank, first seen, its step count then
+        #: the slow set, first seen, its slowest rank's step count then
+        self._candidate: tuple[tuple[int, ...], float, int] | None = None
+
+    def _episode_of(self, finding: Finding) -> Episode | None:
+        """The episode of a rank of the finding's slow set: equally slow ranks trade places as the
+        slowest, and the set may grow as a second rank slows down, but it is one episode."""
+        ranks = set(finding.ranks or [finding.rank])
+        return next((e for e in self.episodes.values() if ranks & set(e.finding.ranks or [e.rank])), None)
 
     def update(self, state: RunState, now: float | None = None) -> Episode | None:
         """Judge the current window; returns an episode when it is declared at this call."""
@@ -330,14 +370,14 @@ class StragglerTracker:
         if finding is None or not finding.persistent(state.straggler_ratio):
             self._candidate = None
             return None
-        rank = finding.rank
+        rank, ranks = finding.rank, tuple(sorted(finding.ranks or [finding.rank]))
         steps_now = state.ranks[rank].step_count
-        episode = self.episodes.get(rank)
+        episode = self._episode_of(finding)
         if episode is not None:
             episode.finding, episode.last_seen = finding, now
             return None
-        if self._candidate is None or self._candidate[0] != rank:
-            self._candidate = (rank, now, steps_now)
+        if self._candidate is None or self._candidate[0] != ranks:
+            self._candidate = (ranks, now, steps_now)
             return None
         _, first, steps_then = self._candidate
         enough_steps = finding.steps == 0 or steps_now - steps_then >= self.confirm_steps
@@ -352,7 +392,7 @@ class StragglerTracker:
         be confirmed (a short job) is declared now, without samples (the rank is gone)."""
         now = time.time() if now is None else now
         finding = analyse(state)
-        if finding is None or not finding.persistent(state.straggler_ratio) or finding.rank in self.episodes:
+        if finding is None or not finding.persistent(state.straggler_ratio) or self._episode_of(finding):
             return None
         episode = Episode(
             rank=finding.rank,
@@ -412,17 +452,27 @@ def _verdict(
     state: RunState, data: dict[str, Any], cause: dict[str, Any] | None, cause_problem: str | None
 ) -> Verdict:
     rank = int(data.get("rank", -1))
+    ranks = [int(r) for r in data.get("ranks") or [rank]]
     unit = data.get("unit") or "step"
     mine = float(data.get("seconds_per_unit") or 0.0)
     theirs = float(data.get("others_seconds_per_unit") or 0.0)
     slower = float(data.get("percent_slower") or 0.0)
     wait_share = float(data.get("others_wait_share") or 0.0)
     ratio = float(data.get("ratio") or 0.0)
-    summary = (
-        f"straggler: rank {rank} works {mine:.3f} s per {unit} where the median rank works {theirs:.3f} s "
-        f"({ratio:.1f}x, {slower:.0f}% longer); the others spend {100 * wait_share:.0f}% of their time "
-        "waiting for it"
-    )
+    if len(ranks) > 1:
+        together = ", ".join(str(r) for r in sorted(ranks))
+        summary = (
+            f"stragglers: ranks {together} are each slower than the others: rank {rank}, the slowest, "
+            f"works {mine:.3f} s per {unit} where the median other rank works {theirs:.3f} s (the least "
+            f"slow of them {ratio:.1f}x); the others spend {100 * wait_share:.0f}% of their time waiting "
+            "for them"
+        )
+    else:
+        summary = (
+            f"straggler: rank {rank} works {mine:.3f} s per {unit} where the median rank works {theirs:.3f} s "
+            f"({ratio:.1f}x, {slower:.0f}% longer); the others spend {100 * wait_share:.0f}% of their time "
+            "waiting for it"
+        )
     location = None
     share = float((cause or {}).get("share") or 0.0)
     if cause and cause.get("location") and share < MIN_CAUSE_SHARE:
@@ -438,7 +488,8 @@ def _verdict(
         samples = (
             f"{cause.get('samples')} state snapshots" if cause.get("source") == "snapshots" else "samples"
         )
-        summary += f"; its time goes at {_line_text(cause)} ({100 * share:.0f}% of its {samples})"
+        whose = "its" if len(ranks) == 1 else f"rank {rank}'s"
+        summary += f"; {whose} time goes at {_line_text(cause)} ({100 * share:.0f}% of its {samples})"
         if cause.get("waits_for") == "dataloader":
             summary += ", waiting for its DataLoader workers"
             worker = cause.get("worker") or {}
@@ -450,7 +501,7 @@ def _verdict(
                 )
     wait_site = data.get("wait_site")
     if wait_site:
-        summary += f"; they wait for it at {wait_site}"
+        summary += f"; they wait for {'it' if len(ranks) == 1 else 'them'} at {wait_site}"
     location = location or wait_site
     evidence = [
         f"rank {r}: waits for others {100 * s.get('wait', 0):.0f}% of the time; {100 * s.get('last', 0):.0f}% "
