@@ -488,6 +488,19 @@ def test_no_hang_after_the_job_ended() -> None:
     assert not [v for v in diagnose(state) if v.kind.startswith("hang")]
 
 
+def test_every_rank_missing_from_the_call_is_placed_not_only_the_culprit() -> None:
+    state = hung(
+        rank(0, inflight=[call(9)], issued=9),
+        rank(1, inflight=[call(9)], issued=9),
+        rank(2, issued=8, stack=stack("train.py:33")),
+        rank(3, issued=8, stack=stack("train.py:35")),
+    )
+    (v,) = [v for v in diagnose(state) if v.kind.startswith("hang")]
+    assert (v.kind, v.culprit_rank, v.details["missing_ranks"]) == ("hang.missing_rank", 2, [2, 3])
+    assert "Rank 3 never reached it either (rank 3: its stack is at train.py:35 in loop())" in v.summary
+    assert v.summary.endswith("Ranks 0, 1 wait there for 10 s"), v.summary
+
+
 def test_a_rooted_call_whose_ranks_pass_different_roots_is_a_mismatch() -> None:
     """Same op and shapes, roots 0 and 1 (src=rank): no 'communication stuck'. And a broadcast
     whose record has no root (DDP's buffers, an older writer) is compared as before."""

@@ -699,7 +699,8 @@ def _missing_rank_hang(
     stuck = " is stuck in its DataLoader and" if loaders else ""
     waiters = wait.waiters
     summary = (
-        f"hang: rank {culprit_rank}{stuck} never reached {wait.where()}; {how}. "
+        f"hang: rank {culprit_rank}{stuck} never reached {wait.where()}; {how}"
+        f"{_other_missing_text(state, [r for r in culprits if r != culprit_rank])}. "
         f"Rank{'s' if len(waiters) > 1 else ''} {join_ranks(sorted(waiters))} "
         f"wait{'' if len(waiters) > 1 else 's'} there for {stalled:.0f} s"
     )
@@ -713,6 +714,24 @@ def _missing_rank_hang(
         details["group_members"] = wait.members
     details.update(missing_ranks=culprits, culprit_issued=issued)
     return Verdict(kind, "error", summary, culprit_rank, location, details, evidence)
+
+
+#: most ranks besides the culprit whose positions a missing-rank summary gives
+_MAX_OTHERS_PLACED = 3
+
+
+def _other_missing_text(state: RunState, others: list[int]) -> str:
+    """ ". Rank 3 never reached it either (rank 3: its stack is at ...)" for the other missing ranks."""
+    if not others:
+        return ""
+    placed = [
+        f"rank {r}: {absent_rank_position(state, r, state.ranks.get(r))[1]}"
+        for r in others[:_MAX_OTHERS_PLACED]
+    ]
+    more = len(others) - len(placed)
+    tail = f"; and {more} more" if more > 0 else ""
+    which = f"Rank{'s' if len(others) > 1 else ''} {join_ranks(others)}"
+    return f". {which} never reached it either ({'; '.join(placed)}{tail})"
 
 
 def _first_missed(state: RunState, wait: _GroupWait, issued: int | None) -> tuple[int, Collective] | None:
