@@ -66,21 +66,27 @@ def test_the_second_phases_model_has_its_steps_counted(runs: dict[str, Any]) -> 
     assert_no_sddoctor_traceback(res)
 
 
-def test_a_straggler_behind_its_data_parallel_pair_is_named(tmp_path: Path) -> None:
-    """4 ranks as 2 pipeline stages x 2 replicas: rank 2 is slow before each forward. Its replica
-    partner waits for it in their group's gradient all-reduce and so reaches the world's collectives
-    as late as rank 2 does; the subgroup's collectives tell the two apart."""
-    script = CLIENTS / "dp_pp_groups.py"
+def _straggling(tmp_path: Path, script: Path, fault: str) -> tuple[Supervised, dict]:
+    """4 ranks of `script`, 50 steps, under `fault`: the run (ended 0) and its one verdict."""
     res = run_supervised(
         tmp_path,
         torchrun(4, str(script)),
         options=("--hang-timeout", "30"),
-        fault="sleep:rank=2,seconds=0.3",
+        fault=fault,
         env={"OMP_NUM_THREADS": "1", "STEPS": "50"},
         timeout=150,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     (v,) = res.report["verdicts"]
+    return res, v
+
+
+def test_a_straggler_behind_its_data_parallel_pair_is_named(tmp_path: Path) -> None:
+    """4 ranks as 2 pipeline stages x 2 replicas: rank 2 is slow before each forward. Its replica
+    partner waits for it in their group's gradient all-reduce and so reaches the world's collectives
+    as late as rank 2 does; the subgroup's collectives tell the two apart."""
+    script = CLIENTS / "dp_pp_groups.py"
+    res, v = _straggling(tmp_path, script, "sleep:rank=2,seconds=0.3")
     assert (v["kind"], v["culprit_rank"]) == ("straggler", 2), v
     assert v["location"] == script_line("# FORWARD", script), v
     for rank in range(4):
@@ -92,17 +98,7 @@ def test_two_equally_slow_ranks_of_four_are_named_together(tmp_path: Path) -> No
     """Ranks 1 and 3 of 4 sleep 0.3 s before each forward (two GPUs of four throttling): neither
     alone is most of the others' wait, since they take turns being last by a hair; together they
     are one straggler finding that names both."""
-    script = CLIENTS / "ddp_tutorial.py"
-    res = run_supervised(
-        tmp_path,
-        torchrun(4, str(script)),
-        options=("--hang-timeout", "30"),
-        fault="sleep:rank=1|3,seconds=0.3,step=2,every=1",
-        env={"OMP_NUM_THREADS": "1", "STEPS": "50"},
-        timeout=150,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    (v,) = res.report["verdicts"]
+    res, v = _straggling(tmp_path, CLIENTS / "ddp_tutorial.py", "sleep:rank=1|3,seconds=0.3,step=2,every=1")
     assert v["kind"] == "straggler" and sorted(v["details"]["ranks"]) == [1, 3], v
     assert v["culprit_rank"] in (1, 3) and v["summary"].startswith("stragglers: ranks 1, 3"), v
     assert_no_sddoctor_traceback(res)
