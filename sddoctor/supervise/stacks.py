@@ -243,8 +243,11 @@ def main_thread(threads: Any, pid: int) -> dict[str, Any] | None:
     return threads[0] if threads and isinstance(threads[0], dict) else None
 
 
-def top_user_frame(thread: dict[str, Any] | None, roots: CodeRoots | None = None) -> tuple[str, str] | None:
-    """(file:line, function) of the innermost frame in the user's own code (see `codepaths`)."""
+def top_user_frame(
+    thread: dict[str, Any] | None, roots: CodeRoots | None = None, library_fallback: bool = True
+) -> tuple[str, str] | None:
+    """(file:line, function) of the innermost frame in the user's own code (see `codepaths`), else
+    (with `library_fallback`) of the innermost library frame outside torch and sddoctor."""
     if not thread:
         return None
     roots = roots or current_roots()
@@ -253,6 +256,8 @@ def top_user_frame(thread: dict[str, Any] | None, roots: CodeRoots | None = None
         filename = str(frame.get("filename", ""))
         if roots.is_user(filename):
             return f"{filename}:{frame.get('line')}", str(frame.get("name"))
+    if not library_fallback:
+        return None
     # else a library's frame (accelerate's, Lightning's), never torch's or sddoctor's own: a rank
     # held in sddoctor's code at exit is not there by the user's doing, and the callers fall back
     # to its last collective or its fault instead
@@ -277,13 +282,9 @@ def _user_threads(threads: Any, main: dict[str, Any] | None, roots: CodeRoots) -
             continue
         if str(thread.get("thread_name") or "").startswith("sddoctor-"):
             continue
-        for frame in thread.get("frames") or []:
-            if isinstance(frame, dict) and roots.is_user(str(frame.get("filename", ""))):
-                where = f"{frame.get('filename')}:{frame.get('line')}"
-                named.append(
-                    {"name": thread.get("thread_name"), "frame": where, "function": frame.get("name")}
-                )
-                break
+        top = top_user_frame(thread, roots, library_fallback=False)
+        if top is not None:
+            named.append({"name": thread.get("thread_name"), "frame": top[0], "function": top[1]})
     return named[:MAX_NAMED_THREADS]
 
 

@@ -76,8 +76,9 @@ class Finding:
     shares: dict[int, dict[str, float]] = field(default_factory=dict)
     #: collectives at which it was last by at least a quarter of its worst lateness in the window
     heavy_rounds: int = 0
-    #: every rank of the slow set, `rank` (the slowest) first: ranks equally slow (two GPUs of
-    #: four throttling) take turns being last by a hair, so they are judged as one
+    #: every rank of the slow set, `rank` (the slowest) first, as `analyse` finds it: ranks
+    #: equally slow (two GPUs of four throttling) take turns being last by a hair, so they are
+    #: judged as one
     ranks: list[int] = field(default_factory=list)
 
     @property
@@ -112,7 +113,7 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
-            "ranks": self.ranks or [self.rank],
+            "ranks": self.ranks,
             "ratio": round(self.ratio, 2),
             "unit": self.unit,
             "seconds_per_unit": round(self.seconds_per_unit, 4),
@@ -360,8 +361,8 @@ class StragglerTracker:
     def _episode_of(self, finding: Finding) -> Episode | None:
         """The episode of a rank of the finding's slow set: equally slow ranks trade places as the
         slowest, and the set may grow as a second rank slows down, but it is one episode."""
-        ranks = set(finding.ranks or [finding.rank])
-        return next((e for e in self.episodes.values() if ranks & set(e.finding.ranks or [e.rank])), None)
+        ranks = set(finding.ranks)
+        return next((e for e in self.episodes.values() if ranks & set(e.finding.ranks)), None)
 
     def update(self, state: RunState, now: float | None = None) -> Episode | None:
         """Judge the current window; returns an episode when it is declared at this call."""
@@ -370,7 +371,7 @@ class StragglerTracker:
         if finding is None or not finding.persistent(state.straggler_ratio):
             self._candidate = None
             return None
-        rank, ranks = finding.rank, tuple(sorted(finding.ranks or [finding.rank]))
+        rank, ranks = finding.rank, tuple(sorted(finding.ranks))
         steps_now = state.ranks[rank].step_count
         episode = self._episode_of(finding)
         if episode is not None:
