@@ -142,3 +142,13 @@ def test_an_exception_type_that_says_it_all_gets_its_cause() -> None:
         assert found is not None and found.code == "debugger_without_terminal", name
         assert "pdb read end-of-input" in found.summary_clause()
     assert known_exception_type("RuntimeError") is None and known_exception_type(None) is None
+
+
+def test_input_without_a_terminal_is_named_by_type_and_words() -> None:
+    """input()'s EOFError says "EOF when reading a line"; an EOFError of another reader (a truncated
+    file) is not a prompt."""
+    found = known_exception_type("EOFError", "EOF when reading a line")
+    assert found is not None and found.code == "prompt_without_terminal"
+    assert "standard input" in found.summary_clause()
+    assert known_exception_type("EOFError", "Ran out of input") is None
+    assert known_exception_type("ValueError", "EOF when reading a line") is None

@@ -811,6 +811,26 @@ def test_a_size_mismatch_abort_without_records_says_where_the_ranks_were() -> No
     assert "rank 0 was in all_reduce #11 (float64[8]) at /u/t.py:13, which raised" in v.summary, v.summary
 
 
+def test_a_size_mismatch_abort_inside_one_line_is_placed_at_that_line() -> None:
+    """Every rank called the collective they disagree on from one line (an all_to_all_single whose
+    split sizes differ per rank): the aborted rank's dump names that line and no other rank was seen
+    at another, so the verdict is placed there, with no culprit. A peer seen in a call at another
+    line keeps it unplaced (the test above)."""
+    frames = [f"{SDDOCTOR_API}:3 in all_to_all_single", "/u/t.py:41 in train"]
+    stderr = ["what():  [enforce fail] 12 vs 8. Received data size doesn't match expected size."]
+    for peer_call in (None, dict(call(6, op="all_to_all_single", caller="/u/t.py:41"))):
+        r0 = rank(0, alive=False, exit={"t": 10.0, "signal": 6})
+        r0.fatal = {"error": "Aborted", "frames": frames}
+        r1 = rank(1, alive=False, exit={"t": 10.2, "signal": 15})
+        if peer_call is not None:
+            r1.state["collectives"]["failed"] = peer_call
+        state = RunState(
+            now=20.0, started=0.0, ranks={0: r0, 1: r1}, job_exit={"code": 1, "t": 11}, stderr_tail=stderr
+        )
+        (v,) = diagnose(state)
+        assert (v.kind, v.culprit_rank, v.location) == ("hang.mismatch", None, "/u/t.py:41"), v
+
+
 # -- OOM --------------------------------------------------------------------------------------
 
 

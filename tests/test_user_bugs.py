@@ -32,6 +32,9 @@ CASES: dict[str, dict[str, str]] = {
     "dtype": {"BUG": "dtype"},
     "root": {"BUG": "root"},
     "group_rank0": {"BUG": "group_rank0"},
+    "caught": {"BUG": "caught"},
+    "caught_log": {"BUG": "caught_log"},
+    "prompt": {"BUG": "prompt"},
 }
 
 
@@ -173,3 +176,33 @@ def test_a_group_only_one_rank_creates_names_that_rank_inside_new_group(runs: di
     assert (v["kind"], v["culprit_rank"]) == ("hang.missing_rank", 0), v
     assert v["location"] == script_line("# GROUP ON RANK 0", SCRIPT), v
     assert "it waits inside new_group(), which every rank of the parent group must call" in v["summary"], v
+
+
+@pytest.mark.parametrize("name", ["caught", "caught_log"])
+def test_an_error_the_program_catches_does_not_make_the_run_ok(runs: dict, name: str) -> None:
+    """Rank 1 raises; the script's own `except Exception` reports it (a printed traceback, or
+    logger.exception then sys.exit(0)) and ends 0. Rank 0's next gradient all-reduce fails ("connection
+    closed by peer"), which it catches the same way: every rank ends 0. The run is still a failure,
+    rank 1 left first, at the line that raised."""
+    res = _run(runs, name, 1)
+    assert res.report["outcome"] == "failed" and res.report["job_exit_code"] == 0, res.report["verdicts"]
+    v = _verdict(res)
+    assert (v["kind"], v["culprit_rank"]) == ("exited_early", 1), v
+    assert v["location"] == script_line("# BAD SAMPLE", SCRIPT), v
+    assert v["details"]["all_ended_ok"] is True, v
+    caught = v["details"]["handled_error"]
+    assert caught["type"] == "ValueError" and "is corrupt" in caught["message"], caught
+    assert "caught ValueError" in v["summary"] and "every rank ended with code 0" in v["summary"], v
+    # rank 0's failed all-reduce is known from its own record, though its program caught the error
+    assert any(e.startswith("rank 0 was in #") and "raised: " in e for e in v["evidence"]), v["evidence"]
+    if name == "caught_log":
+        assert v["details"]["exit_call"] == script_line("# CAUGHT EXIT", SCRIPT), v
+
+
+def test_a_question_asked_on_standard_input_is_said_to_be_one(runs: dict) -> None:
+    """input() in a rank without a terminal reads end-of-input: a crash at that line, with why."""
+    v = _verdict(_run(runs, "prompt", 1))
+    assert (v["kind"], v["culprit_rank"]) == ("crash", 1), v
+    assert v["location"] == script_line("# PROMPT", SCRIPT), v
+    assert v["details"]["known_error"]["code"] == "prompt_without_terminal", v
+    assert "standard input" in v["summary"], v

@@ -88,6 +88,9 @@ class RankSession:
         self._exit_writer: int | None = None
         self._exit_done = threading.Event()
         self._exit_call: str | None = None  # where sys.exit(status != 0) was called
+        #: the last error the program caught and reported (a printed traceback, logger.exception,
+        #: sys.exit(0) inside `except`): a clean exit's `handled_error`
+        self._handled_error: dict[str, Any] | None = None
         self._signal_position: dict[str, Any] = {}  # where the main thread was when SIGTERM came
         self._uncaught_recorded = False
         self._fatal_dump = False
@@ -217,10 +220,21 @@ class RankSession:
         self._exit_call = self._exit_call or caller
         self.mark_exit("error", status if isinstance(status, int) else 1)
 
-    def note_clean_exit_call(self, caller: str | None) -> None:
+    def note_clean_exit_call(self, caller: str | None, handling: BaseException | None = None) -> None:
         """sys.exit(0) or os._exit(0) was called at `caller`: kept as the exit event's `caller`, so
-        a rank that leaves its loop early that way is named at that line."""
+        a rank that leaves its loop early that way is named at that line. Called inside `except`,
+        the exception it handles is what made it leave (`handled_error`)."""
         self._exit_call = self._exit_call or caller
+        if handling is not None and not isinstance(handling, SystemExit):
+            self.note_handled_error(handling)
+
+    def note_handled_error(self, exc: BaseException) -> None:
+        """The program caught `exc` and reported it (exit_hooks): kept, the last one, for the `exit`
+        event of a rank that then ends with code 0, which would otherwise say nothing of it. Only
+        its type, message and lines are kept: the traceback holds frames (and their tensors)."""
+        from sddoctor.instrument.exit_hooks import handled_error_fields
+
+        self._handled_error = handled_error_fields(exc)
 
     def _record_missed_uncaught(self) -> None:
         """The script replaced sys.excepthook without calling ours (a logging hook that calls
@@ -242,6 +256,8 @@ class RankSession:
 
     def _exit_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"caller": self._exit_call} if self._exit_call else {}
+        if self._handled_error is not None and (self._exit is None or self._exit[0] == "ok"):
+            fields["handled_error"] = self._handled_error
         if self._exit is not None and self._exit[0] == "signal":
             fields.update(self._signal_position)
         return fields

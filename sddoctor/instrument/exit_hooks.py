@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import signal
@@ -73,6 +74,21 @@ def exception_fields(exc: BaseException, tb: TracebackType | None) -> dict[str, 
         "traceback": [f"{fs.filename}:{fs.lineno} in {fs.name}" for fs in frames][-64:],
         "caller": caller,
     }
+
+
+def handled_error_fields(exc: BaseException) -> dict[str, Any]:
+    """What a rank keeps of an error its program caught and reported: type, message, the innermost
+    line of the user's code in its traceback (where it was raised), and when. Read from the frames'
+    code objects without source lines: a program may report errors often."""
+    roots = current_roots()
+    caller = None
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if roots.is_user(filename):
+            caller = f"{filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return {"type": type(exc).__name__, "message": str(exc)[:500], "caller": caller, "t": time.time()}
 
 
 def _outer_user_line(tb: TracebackType | None) -> str | None:
@@ -244,6 +260,8 @@ def install(session: Any, *, grace: float = 1.0) -> None:
         _install_exit_caller()
     if "os._exit" not in _installed:
         _install_os_exit()
+    if "traceback.print_exception" not in _installed:
+        _install_error_reports()
     if "sigterm" not in _installed and threading.current_thread() is threading.main_thread():
         _install_sigterm(grace)
 
@@ -286,7 +304,7 @@ def _install_exit_caller() -> None:
 
                 # the innermost user frame: argparse's parser.error calls sys.exit for its caller
                 if status in (None, 0):
-                    current.note_clean_exit_call(user_caller())
+                    current.note_clean_exit_call(user_caller(), sys.exc_info()[1])
                 else:
                     current.note_exit_call(user_caller(), status, sys.exc_info()[1])
         except Exception:  # noqa: BLE001 - the exit itself must happen
@@ -311,13 +329,56 @@ def _install_os_exit() -> None:
                 if status != 0:
                     current.note_exit_call(user_caller(), status, sys.exc_info()[1])
                 else:
-                    current.note_clean_exit_call(user_caller())
+                    current.note_clean_exit_call(user_caller(), sys.exc_info()[1])
                 current.exit_now("ok" if status == 0 else "error", status)
         except Exception:  # noqa: BLE001 - the exit itself must happen
             pass
         original(status)
 
     os._exit = exit_flushing  # type: ignore[assignment]
+
+
+def _install_error_reports() -> None:
+    """Wrap traceback.print_exception (print_exc calls it) and logging.Logger.exception: a program
+    that catches an error, reports it and ends with code 0 (`except Exception:
+    traceback.print_exc()` around its main) leaves no other trace of why the rank left its loop, and
+    its peers then fail or wait for collectives it never issues. The last one is noted for the exit
+    event; the program's call is made exactly as it was."""
+    import logging
+
+    print_exception = traceback.print_exception
+    log_exception = logging.Logger.exception
+    _installed["traceback.print_exception"] = print_exception
+    _installed["logging.Logger.exception"] = log_exception
+
+    def print_exception_noted(exc: Any, /, *args: Any, **kwargs: Any) -> None:
+        value = args[0] if args and isinstance(args[0], BaseException) else kwargs.get("value", exc)
+        _note_handled(value)
+        print_exception(exc, *args, **kwargs)
+
+    def exception_noted(self: logging.Logger, msg: object, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("exc_info", True) is True:
+            _note_handled(sys.exc_info()[1])
+        # one frame more to skip: the record's file, line and function stay the program's
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        log_exception(self, msg, *args, **kwargs)
+
+    functools.update_wrapper(print_exception_noted, print_exception)
+    functools.update_wrapper(exception_noted, log_exception)
+    traceback.print_exception = print_exception_noted
+    logging.Logger.exception = exception_noted  # type: ignore[method-assign]
+
+
+def _note_handled(exc: object) -> None:
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not an error of the program
+        return
+    current = _own_session()
+    if current is None:
+        return
+    try:
+        current.note_handled_error(exc)
+    except Exception:  # noqa: BLE001 - the program's report must still be printed
+        pass
 
 
 def _install_sigterm(grace: float) -> None:

@@ -153,6 +153,7 @@ class _Rec:
         "root",
         "user_async",
         "off_main",
+        "error",
     )
     op: str
     key: str
@@ -179,11 +180,15 @@ class _Rec:
     user_async: bool
     #: issued from a thread other than the main one (a metrics or listener thread, or autograd's)
     off_main: bool
+    #: what the call raised, or its Work's future failed with (a peer that left: "Connection
+    #: closed by peer"): kept even when the program catches it
+    error: str | None
 
     def __init__(self) -> None:
         # optional fields default here so every construction site (and a hand-built record)
         # yields a complete record; the call sites fill in the rest
         self.handle, self.t1, self.peer, self.ddp, self.reduce, self.root = None, None, None, None, None, None
+        self.error = None
         self.deferred, self.exact_end, self.user_async, self.off_main = False, False, False, False
 
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
@@ -207,6 +212,8 @@ class _Rec:
             d["root"] = self.root
         if self.ddp is not None:
             d["ddp"] = self.ddp
+        if self.error is not None:
+            d["error"] = self.error
         if self.t1 is not None:
             d["t"] = self.t1
             d["duration"] = round(self.t1 - self.t0, 6)
@@ -319,9 +326,10 @@ class Tracer:
         _tls.busy = True
         try:
             result = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             rec.t1 = time.time()
             st.current = None
+            rec.error = error_text(exc)
             self.last_failed = rec
             raise
         finally:
@@ -432,8 +440,9 @@ class Tracer:
         _tls.busy = True
         try:
             work = fn(buffer, group=group, async_op=True)
-        except BaseException:
+        except BaseException as exc:
             rec.t1 = time.time()
+            rec.error = error_text(exc)
             self.last_failed = rec
             raise
         finally:
@@ -467,9 +476,10 @@ class Tracer:
         _tls.busy = True
         try:
             result = fn()
-        except BaseException:
+        except BaseException as exc:
             rec.t1 = time.time()
             st.ddp_current = None
+            rec.error = error_text(exc)
             self.last_failed = rec
             raise
         finally:
@@ -485,8 +495,12 @@ class Tracer:
         durations, waits and time in collectives would be that late too. On CUDA the future completes
         when the work is enqueued, not done, so CUDA calls stay polled."""
 
-        def done(_fut: Any) -> None:
+        def done(fut: Any) -> None:
             try:
+                error = future_error(fut)
+                if error is not None:  # a peer left: the program may catch what wait() raises
+                    rec.error = error
+                    self.last_failed = rec
                 if self._finish_async(rec):
                     rec.exact_end = True  # readers need not treat its end as polled
             except Exception:  # noqa: BLE001 - runs on the backend's thread: never raise there
@@ -1158,6 +1172,21 @@ def _describe(payload: Any, kind: str) -> tuple[list[Any], list[Any], bool]:
                 cuda = cuda or bool(getattr(tensor, "is_cuda", False))
         return shapes, dtypes, cuda
     return [], [], False
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception as a failed call's record keeps it: its type and the start of its message."""
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def future_error(fut: Any) -> str | None:
+    """What a completed future failed with, or None: `value()` returns at once on a done future and
+    raises its error."""
+    try:
+        fut.value()
+    except Exception as exc:  # noqa: BLE001 - the error is what is wanted here
+        return error_text(exc)
+    return None
 
 
 def _cuda_marker() -> Any:

@@ -5,8 +5,8 @@ connect" or NCCL's "invalid usage" prints torch's words, which name the failing 
 cause a user can act on. `known_error` reads an error message and returns the cause and the fix,
 which a crash verdict adds to its evidence (`details.known_error`). Pure: no process or file is
 looked at here; who holds a taken port is found by the supervisor (`port_holders`) and passed in.
-An exception whose type alone says what happened (pdb's `BdbQuit` in a rank without a terminal)
-is read by `known_exception_type`.
+An exception whose type says what happened (pdb's `BdbQuit` in a rank without a terminal, or
+input()'s `EOFError` with its own words) is read by `known_exception_type`.
 """
 
 from __future__ import annotations
@@ -239,7 +239,31 @@ _BY_TYPE: dict[str, tuple[str, str, str]] = {
 }
 
 
-def known_exception_type(type_name: str | None) -> KnownError | None:
-    """The usual cause of an exception that its type alone names, or None."""
-    found = _BY_TYPE.get(str(type_name or "").rsplit(".", 1)[-1])
-    return KnownError(*found) if found else None
+#: (type name, words of its message, code, advice, cause) of exceptions whose type names the cause
+#: only together with torch's or Python's own words
+_BY_TYPE_AND_WORDS: tuple[tuple[str, str, str, str, str], ...] = (
+    (
+        "EOFError",
+        "EOF when reading a line",
+        "prompt_without_terminal",
+        "the rank called input() (or a library asked a question on the terminal: a login, a "
+        "y/n confirmation) while its standard input was not a terminal (under `sddoctor run` the job "
+        "reads /dev/null; under torchrun alone every rank shares one terminal). Give the answer "
+        "without a prompt: a command-line option or environment variable of the program or library "
+        "(for wandb: `wandb login` beforehand, or WANDB_API_KEY / WANDB_MODE=offline), or ask only "
+        "on rank 0 before the ranks start",
+        "it asked a question on standard input, which a rank does not have (input() read end-of-input)",
+    ),
+)
+
+
+def known_exception_type(type_name: str | None, message: str = "") -> KnownError | None:
+    """The usual cause of an exception that its type names (alone, or with its message), or None."""
+    bare = str(type_name or "").rsplit(".", 1)[-1]
+    found = _BY_TYPE.get(bare)
+    if found:
+        return KnownError(*found)
+    for name, words, code, advice, cause in _BY_TYPE_AND_WORDS:
+        if bare == name and words in message:
+            return KnownError(code, advice, cause)
+    return None

@@ -48,6 +48,20 @@ def describe_exit(exit_info: dict[str, Any] | None) -> str:
     return f"exited with code {code}" if code is not None else "ended"
 
 
+def handled_error(exit_info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The error a rank's program caught and reported before it ended with code 0 (its `exit`
+    event's `handled_error`: a printed traceback, logger.exception, sys.exit(0) inside `except`)."""
+    found = (exit_info or {}).get("handled_error")
+    return found if isinstance(found, dict) and found.get("type") else None
+
+
+def handled_error_text(found: dict[str, Any]) -> str:
+    """ "caught ValueError: bad caption (raised at train.py:35) and reported it" """
+    message = " ".join(str(found.get("message") or "").split())[:200]
+    where = f" (raised at {found['caller']})" if found.get("caller") else ""
+    return f"caught {found['type']}{': ' + message if message else ''}{where} and reported it"
+
+
 def roots_of(rank: RankState | None = None) -> CodeRoots:
     """Where libraries live for `rank` (as it reported them) and for this process."""
     mine = current_roots()
@@ -394,6 +408,5 @@ def exception_known_error(state: RunState, exc: dict[str, Any] | None) -> KnownE
     ports the run's port-in-use errors named; else the cause its type names."""
     if not exc:
         return None
-    return known_error(str(exc.get("message", "")), state.port_holders) or known_exception_type(
-        exc.get("type")
-    )
+    message = str(exc.get("message", ""))
+    return known_error(message, state.port_holders) or known_exception_type(exc.get("type"), message)

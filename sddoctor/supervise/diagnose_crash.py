@@ -25,6 +25,8 @@ from sddoctor.supervise.diagnose_base import (
     exception_known_error,
     exception_location,
     fault_of,
+    handled_error,
+    handled_error_text,
     join_ranks,
     killed_by_fault,
     lone_rank,
@@ -39,6 +41,7 @@ from sddoctor.supervise.diagnose_hang import DDP_STEP_CALLS, absent_rank_positio
 from sddoctor.supervise.diagnose_oom import HOST_OOM_ADVICE, host_oom_finding
 from sddoctor.supervise.nested_traceback import NestedTraceback, nested_traceback
 from sddoctor.supervise.state import RankState, RunState, Verdict
+from sddoctor.telemetry.snapshot import DEFAULT_GROUP
 
 _MISMATCH_TEXT = re.compile(
     r"doesn't match expected size|collective mismatch|mismatch(ed)? (in )?(size|shape)|"
@@ -84,7 +87,8 @@ def diagnose_crash(state: RunState) -> list[Verdict]:
         job = state.job_exit
         if job and job.get("code") not in (0, None) and state.stopped_by_supervisor is None:
             return [_job_only_crash(state, job)]
-        return []
+        quiet = _uneven_clean_end(state)
+        return [quiet] if quiet is not None else []
 
     def blame_key(item: tuple[RankState, dict[str, Any] | None]) -> tuple[int, int, float]:
         rank, exit_info = item
@@ -224,11 +228,31 @@ def _same_fatal_signal(state: RunState, primary: RankState, others: list[int]) -
 EXIT_RECORD_LAG = 10.0
 
 
-def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
+def _uneven_clean_end(state: RunState) -> Verdict | None:
+    """Every rank ended with code 0, yet they issued different numbers of collectives on the default
+    group: the calls of the ranks that issued more had no peer left to complete them, so they
+    failed (or were never waited for). A program that catches that error (`except Exception:
+    traceback.print_exc()` around its main) then ends 0 and hides that a rank left its loop early."""
+    ranks = list(state.ranks.values())
+    if len(ranks) < 2 or not all(r.exited and ended_cleanly(r, rank_exit(r, state)) for r in ranks):
+        return None
+    issued = {r.rank: r.snapshot.issued_on(DEFAULT_GROUP) or 0 for r in ranks}
+    most = max(issued.values())
+    if min(issued.values()) == most:
+        return None
+    ahead = [r for r in ranks if issued[r.rank] == most]
+    # the one whose call is known to have failed, else the lowest
+    victim = min(ahead, key=lambda r: (r.snapshot.failed is None, r.rank))
+    return _exited_early(state, victim, clean_end=True)
+
+
+def _exited_early(state: RunState, victim: RankState, *, clean_end: bool = False) -> Verdict | None:
     """A rank that ended normally (exit code 0) before `victim` lost its peer, having issued fewer
     collectives: the victim's "connection closed by peer" is that rank leaving while it still
-    expected it (uneven data per rank, a rank returning early). Under NCCL the same job hangs."""
-    victim_t = death_time(victim)
+    expected it (uneven data per rank, a rank returning early). Under NCCL the same job hangs.
+    `clean_end`: the victim caught that error too and every rank ended 0; the counts alone tell
+    who left, whatever the order in which their exits were recorded."""
+    victim_t = float("inf") if clean_end else death_time(victim)
     wanted = _last_seq_wanted(victim)
     if wanted is None:
         return None
@@ -255,22 +279,41 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
     # collective (a script's closing `sys.exit(main())` would say little on its own)
     exit_call = (exit_info or {}).get("caller")
     waiting = sorted(r.rank for r in state.ranks.values() if r.rank not in {g[0].rank for g in gone})
+    they = "they" if len(waiting) > 1 else "it"
+    caught = handled_error(exit_info)
     summary = (
         f"rank {rank.rank} ended (exit code 0) after {issued} collective{'s' if issued != 1 else ''} "
         f"on group {pg} while rank{'s' if len(waiting) > 1 else ''} {join_ranks(waiting)} went on to #{seq}"
-        f"; {'they' if len(waiting) > 1 else 'it'} failed as a consequence (the peer closed its "
-        "connection). The ranks ran different "
-        "numbers of collectives: uneven data per rank (DistributedSampler(drop_last=True), or DDP's "
-        "Join context for uneven inputs) or a rank that leaves its loop early"
+        f"; {they} failed as a consequence (the peer closed its connection)"
     )
+    if clean_end:
+        summary += f", and {they} caught that error: every rank ended with code 0, which hid the failure"
+    if caught is not None:
+        summary += f". Rank {rank.rank} left its loop because its program {handled_error_text(caught)}"
+        location = caught.get("caller") or location
+    else:
+        summary += (
+            ". The ranks ran different numbers of collectives: uneven data per rank "
+            "(DistributedSampler(drop_last=True), or DDP's Join context for uneven inputs) or a rank "
+            "that leaves its loop early"
+        )
     if isinstance(exit_call, str):
         summary += f". Rank {rank.rank} ended itself at {exit_call}"
-    message = str((victim.exception or {}).get("message", "")).strip()
+    failed = victim.snapshot.failed
+    message = str(
+        (victim.exception or {}).get("message", "") or (failed.error if failed else "") or ""
+    ).strip()
     evidence = [
         f"rank {rank.rank} {describe_exit(exit_info)} after {issued} collectives on group {pg}"
         + (f"; its last was {done.op} #{done.seq} at {done.caller}" if done is not None else ""),
-        f"rank {victim.rank} was in #{seq} and then raised: {message[:200]}",
+        f"rank {victim.rank} was in #{seq} and then "
+        + (f"raised: {message[:200]}" if message else "ended without completing it"),
     ]
+    if caught is not None:
+        evidence.insert(
+            1,
+            f"rank {rank.rank}: {caught['type']}: {str(caught.get('message'))[:300]} at {caught.get('caller')}",
+        )
     return Verdict(
         kind="exited_early",
         severity="error",
@@ -285,6 +328,8 @@ def _exited_early(state: RunState, victim: RankState) -> Verdict | None:
             "exit_call": exit_call if isinstance(exit_call, str) else None,
             "consequences": waiting,
             "victim_exception": {"type": (victim.exception or {}).get("type"), "message": message},
+            "handled_error": caught,
+            "all_ended_ok": clean_end,
         },
         evidence=evidence,
     )
@@ -596,10 +641,13 @@ def _crash_evidence(
     return evidence
 
 
-def _fatal_frame(rank: RankState) -> str | None:
-    """file:line of the user's innermost frame in the rank's fatal-signal dump (else its innermost)."""
+def _fatal_frame(rank: RankState, *, user_only: bool = False) -> str | None:
+    """file:line of the user's innermost frame in the rank's fatal-signal dump (else, unless
+    `user_only`, its innermost)."""
     frames = [f for f in (rank.fatal or {}).get("frames") or [] if isinstance(f, str)]
-    chosen = first_user_frame(frames, roots_of(rank), innermost_first=True) or (frames[0] if frames else None)
+    chosen = first_user_frame(frames, roots_of(rank), innermost_first=True)
+    if chosen is None and not user_only:
+        chosen = frames[0] if frames else None
     return chosen.split(" in ")[0].strip() if chosen else None
 
 
@@ -689,10 +737,31 @@ def diagnose_crash_mismatch(state: RunState) -> Verdict | None:
         positions = _last_positions(state)
         if positions:
             summary += ". Where the ranks were: " + "; ".join(positions)
-        verdict = Verdict(kind="hang.mismatch", severity="error", summary=summary)
+        verdict = Verdict(
+            kind="hang.mismatch", severity="error", summary=summary, location=_aborted_line(state)
+        )
     verdict.details["ended"] = "crash"
     verdict.evidence.append("the backend aborted: " + _first_match(_MISMATCH_TEXT, [text, *messages]))
     return verdict
+
+
+def _aborted_line(state: RunState) -> str | None:
+    """The user's line of the call the ranks disagreed on, when it is one: the ranks the abort killed
+    died inside that call, so their fatal-signal dumps name its line; it stands when they all name
+    the same one and no other rank was last seen at another line (a rank in another call there
+    makes the two lines the two sides of the disagreement: neither is named alone)."""
+    aborted = [r for r in state.ranks.values() if r.fatal]
+    lines = {_fatal_frame(r, user_only=True) for r in aborted}
+    if len(lines) != 1 or None in lines:
+        return None
+    (line,) = lines
+    for rank in state.ranks.values():
+        if rank.fatal:
+            continue
+        call = rank.snapshot.failed or blocked_call(rank) or rank.snapshot.last_done
+        if call is not None and call.caller not in (None, line):
+            return None
+    return line
 
 
 def _fingerprint_mismatch(state: RunState) -> Verdict | None:

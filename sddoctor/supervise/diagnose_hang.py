@@ -29,6 +29,8 @@ from sddoctor.supervise.diagnose_base import (
     ended_cleanly,
     exception_location,
     fault_of,
+    handled_error,
+    handled_error_text,
     join_ranks,
     rank_exit,
     roots_of,
@@ -691,7 +693,11 @@ def absent_rank_position(
         )
         exit_info = rank_exit(rank, state)
         how = f"it {describe_exit(exit_info)}"
-        if not fault and ended_cleanly(rank, exit_info):
+        caught = handled_error(exit_info)
+        if not fault and ended_cleanly(rank, exit_info) and caught is not None:
+            how += f" after its program {handled_error_text(caught)}, having run fewer collectives than the others"
+            location = caught.get("caller") or location
+        elif not fault and ended_cleanly(rank, exit_info):
             how += (
                 ", having run fewer collectives than the others: uneven data per rank "
                 "(DistributedSampler(drop_last=True), or DDP's Join context) or a rank that leaves its loop early"

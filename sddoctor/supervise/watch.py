@@ -231,6 +231,10 @@ class Watcher:
             info: dict[str, Any] = {"t": event.get("t"), "source": "exit event", "status": status}
             if isinstance(event.get("caller"), str):
                 info["caller"] = event["caller"]  # where sys.exit(failure) was called
+            if isinstance(event.get("handled_error"), dict):  # what the program caught before a clean end
+                info["handled_error"] = {
+                    k: event["handled_error"].get(k) for k in ("type", "message", "caller", "t")
+                }
             if isinstance(event.get("at"), str):  # where SIGTERM found the main thread
                 info.update({k: event[k] for k in ("at", "at_function", "stack") if k in event})
             if isinstance(code, int):

@@ -72,6 +72,9 @@ class Collective:
     user_async: bool = False
     #: issued from a thread other than the rank's main thread
     off_main: bool = False
+    #: what a failed call raised, or its Work failed with ("RuntimeError: ... Connection closed by
+    #: peer"), recorded even when the program caught it
+    error: str | None = None
     record: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -92,6 +95,7 @@ class Collective:
             ddp=_str(record.get("ddp")),
             user_async=record.get("user_async") is True,
             off_main=record.get("off_main") is True,
+            error=_str(record.get("error")),
             record=record,
         )
 

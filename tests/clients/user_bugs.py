@@ -19,10 +19,17 @@ BUG=order), BUG, one of:
   breakpoint   a breakpoint() left in rank 1's loop at step AT (no terminal: pdb quits)
   root         each rank broadcasts the epoch metric from itself (src=rank where src=0 was meant)
   group_rank0  rank 0 alone creates a process group of both ranks at the epoch end
+  caught       rank 1 finds a bad sample at step AT and raises; main() catches every exception,
+               prints its traceback (traceback.print_exc) and returns: every rank ends with code 0
+  caught_log   the same, reported with logging's logger.exception, then sys.exit(0)
+  prompt       rank 1 asks a question with input() at step AT (no terminal: end-of-input)
 """
 
+import logging
 import os
+import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -100,6 +107,10 @@ def train_epoch(model, optimizer, rank, shard, xval):
         if not torch.isfinite(loss):
             print(f"rank {rank}: non-finite loss at step {step}, skipping", flush=True)  # NAN SKIP
             continue
+        if BUG.startswith("caught") and rank == 1 and step == AT:
+            raise ValueError(f"sample {step} of rank {rank} is corrupt")  # BAD SAMPLE
+        if BUG == "prompt" and rank == 1 and step == AT:
+            input("Continue with the corrupt sample? [y/N] ")  # PROMPT
         if BUG == "breakpoint" and rank == 1 and step == AT:
             breakpoint()  # BREAKPOINT
         optimizer.zero_grad()  # AFTER BREAKPOINT
@@ -139,4 +150,13 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if BUG.startswith("caught"):
+        try:
+            main()
+        except Exception:  # a script that reports any error and ends "cleanly"
+            if BUG == "caught_log":
+                logging.getLogger("train").exception("training failed")
+                sys.exit(0)  # CAUGHT EXIT
+            traceback.print_exc()
+    else:
+        main()
