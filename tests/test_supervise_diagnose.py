@@ -1037,3 +1037,28 @@ def test_a_hung_rank_without_a_stack_is_placed_by_its_snapshot() -> None:
     missing.stack = {"ok": True, "top_user_frame": "train.py:15", "top_user_function": "decode"}
     (v,) = diagnose(hung(waiter, missing))
     assert v.location == "train.py:15", v  # a stack, when there is one, comes first
+
+
+def test_a_world_the_jobs_processes_cannot_fill_is_known_only_when_it_cannot_be_filled() -> None:
+    """Ranks in init_process_group for 4 ranks: unreachable with mp.spawn's nprocs=2 on a loopback
+    rendezvous, or a launcher that starts 2; not with another host's address (another node's workers
+    may start later), not with 4 processes, and not before the hang timeout."""
+
+    def waiting(r: int, addr: str = "127.0.0.1", since: float = NOW - 10) -> RankState:
+        state = rank(r, phase=None)
+        state.state["waiting"] = {
+            "what": "init_process_group",
+            "since": since,
+            "caller": "w.py:3",
+            "world_size": 4,
+        }
+        state.comm_env = {"MASTER_ADDR": addr}
+        return state
+
+    found = hung(waiting(0), waiting(1), spawned_nprocs=2).unreachable_world()
+    assert found is not None and (found["waiting_for"], found["processes"]) == (4, 2), found
+    assert hung(waiting(0), waiting(1), launcher_world_size=2).unreachable_world() is not None
+    assert hung(waiting(0, "10.0.0.5"), waiting(1, "10.0.0.5"), spawned_nprocs=2).unreachable_world() is None
+    assert hung(waiting(0), waiting(1), spawned_nprocs=4).unreachable_world() is None
+    assert hung(waiting(0), waiting(1, since=NOW - 1), spawned_nprocs=2).unreachable_world() is None
+    assert hung(waiting(0), waiting(1)).unreachable_world() is None  # a shell script: no count known

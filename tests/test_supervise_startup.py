@@ -130,6 +130,65 @@ def test_every_rank_waiting_in_init_is_a_rendezvous_that_cannot_complete(tmp_pat
     assert f"called at {_line(script, '# INIT')}" in v["summary"]
 
 
+WORLD_TOO_LARGE = textwrap.dedent(
+    """\
+    import os, pathlib, threading, time
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def note_waiting():  # for the test: a file once the ranks have waited a while
+        time.sleep(4)
+        pathlib.Path(os.environ["WAITED"]).touch()
+
+    def worker(rank, world_size):
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        threading.Thread(target=note_waiting, daemon=True).start()
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)  # INIT
+
+    if __name__ == "__main__":
+        if "RANK" in os.environ:  # under torchrun, with a world size of the script's own
+            worker(int(os.environ["RANK"]), 3)
+        else:
+            mp.spawn(worker, args=(3,), nprocs=2)  # meant: the same number as world_size
+    """
+)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_world_larger_than_the_jobs_processes_is_a_hang_at_once(tmp_path: Path, launcher: str) -> None:
+    """world_size=3 with two processes: the rendezvous can never complete, so the hang is declared
+    after the hang timeout, not after the start-up allowance (600 s here), and says why."""
+    script = tmp_path / "world.py"
+    script.write_text(WORLD_TOO_LARGE)
+    job = torchrun(2, str(script)) if launcher == "torchrun" else [sys.executable, str(script)]
+    options = ("--hang-timeout", "3", "--startup-timeout", "600", "--on-hang", "kill")
+    env = {"MASTER_PORT": str(free_port()), "WAITED": str(tmp_path / "waited")}
+    res = run_supervised(tmp_path, job, options=options, env=env, timeout=120)
+    assert res.returncode == 124, res.stderr
+    (v,) = res.verdicts("hang.")
+    assert (v["kind"], v["culprit_rank"], v["location"]) == ("hang.startup", None, _line(script, "# INIT")), v
+    found = v["details"]["unreachable_world"]
+    assert (found["waiting_for"], found["processes"], found["ranks"]) == (3, 2, [0, 1]), found
+    assert "pass world_size=2" in v["summary"], v
+
+
+def test_a_job_stopped_while_its_world_cannot_meet_says_why(tmp_path: Path) -> None:
+    """The same mp.spawn job stopped with Ctrl-C before any hang timeout: the ranks never got past
+    init_process_group, which the report says with the cause (not "joined a process group")."""
+    script = tmp_path / "world.py"
+    script.write_text(WORLD_TOO_LARGE)
+    waited = tmp_path / "waited"
+    env = {"MASTER_PORT": str(free_port()), "WAITED": str(waited)}
+    options = ("--hang-timeout", "300", "--on-hang", "kill")
+    res = run_supervised(
+        tmp_path, [sys.executable, str(script)], options=options, env=env, interrupt_when_file=waited
+    )
+    assert res.returncode == 130, res.stderr
+    (v,) = res.verdicts()
+    assert (v["kind"], v["location"]) == ("hang.startup", _line(script, "# INIT")), v
+    assert v["details"]["unreachable_world"]["processes"] == 2, v
+
+
 def test_one_run_per_run_directory(tmp_path: Path) -> None:
     first = run_supervised(tmp_path, torchrun(2, str(SCRIPT)), env={"STEPS": "3"})
     assert first.returncode == 0, first.stderr

@@ -129,11 +129,21 @@ class RankSession:
         self.writer.emit(EventKind.STEP, step=step, **fields)
         self.writer.update_state(step=step, last_step=dict(fields, step=step, t=time.time()))
 
-    def waiting(self, what: str | None, caller: str | None = None) -> None:
+    def waiting(self, what: str | None, caller: str | None = None, **fields: Any) -> None:
         """Mark that this rank waits for its peers outside any traced collective (rendezvous, DDP's
-        construction), or that it no longer does (`what=None`)."""
-        marker = {"what": what, "since": time.time(), "caller": caller} if what else None
+        construction), or that it no longer does (`what=None`). `fields` say more (the world size
+        an init_process_group waits for)."""
+        marker = {"what": what, "since": time.time(), "caller": caller, **fields} if what else None
         self.writer.update_state(waiting=marker)
+
+    def waiting_in_init(self, world_size: int | None) -> None:
+        """init_process_group was entered: waiting for `world_size` ranks (the call's own, else the
+        launcher's WORLD_SIZE), which the supervisor compares with the processes the job has."""
+        from sddoctor.instrument import tracing
+
+        world = world_size if isinstance(world_size, int) and world_size > 0 else self.world_size
+        extra = {"world_size": world} if isinstance(world, int) and world > 0 else {}
+        self.waiting("init_process_group", tracing.user_caller(), **extra)
 
     def begin_step(self, step: int) -> None:
         """Mark the start of `step`; fires faults bound to it. `step()` calls this for the next step."""
@@ -402,9 +412,7 @@ class RankSession:
 
     def _before_init(self, rank: int | None, world_size: int | None) -> None:
         if _session is self:
-            from sddoctor.instrument import tracing
-
-            self.waiting("init_process_group", tracing.user_caller())
+            self.waiting_in_init(world_size)
 
     def _after_init(self) -> None:
         import torch.distributed as dist
@@ -584,9 +592,7 @@ def _join_at_init(rank: int | None, world_size: int | None) -> None:
         return
     _become_rank(rank, world_size)
     if _session is not None:
-        from sddoctor.instrument import tracing
-
-        _session.waiting("init_process_group", tracing.user_caller())
+        _session.waiting_in_init(world_size)
 
 
 def _joined() -> None:

@@ -36,9 +36,10 @@ from sddoctor.supervise.diagnose_base import (
     lone_rank,
     raised_text,
     unclean_marked,
+    where_is,
 )
 from sddoctor.supervise.diagnose_crash import diagnose_crash, diagnose_crash_mismatch
-from sddoctor.supervise.diagnose_hang import diagnose_hang
+from sddoctor.supervise.diagnose_hang import diagnose_hang, unreachable_world_hang
 from sddoctor.supervise.diagnose_oom import OOM_TEXT, diagnose_oom
 from sddoctor.supervise.payloads import diagnose_payload_mismatch
 from sddoctor.supervise.state import VERDICT_KINDS, RunState, Verdict
@@ -135,6 +136,38 @@ def place_stackless_culprits(frozen: list[Verdict], state: RunState) -> list[Ver
             )
         )
     return placed
+
+
+def _ended_in_init(state: RunState, ranks: list[int]) -> Verdict:
+    """The job ended (stopped, or a rank failed) while ranks still waited in init_process_group: the
+    rendezvous never completed. An error when it never could (more ranks wanted than processes)."""
+    unreachable = state.unreachable_world(at_end=True)
+    if unreachable is not None:
+        return unreachable_world_hang(unreachable, {"ended": "stopped"}, [])
+    waits = [state.ranks[r].snapshot.waiting or {} for r in ranks]
+    caller = next((w.get("caller") for w in waits if w.get("caller")), None)
+    sizes = sorted({w["world_size"] for w in waits if isinstance(w.get("world_size"), int)})
+    plural = len(ranks) > 1
+    summary = (
+        f"rank{'s' if plural else ''} {join_ranks(ranks)} entered init_process_group"
+        + (f" at {caller}" if caller else "")
+        + f" and never got past it: {'they' if plural else 'it'} still waited there"
+        + (f" for {' / '.join(map(str, sizes))} ranks" if sizes else "")
+        + " when the job ended, so no collective ran"
+    )
+    elsewhere = sorted(set(state.ranks) - set(ranks))
+    if elsewhere:
+        summary += (
+            f"; rank{'s' if len(elsewhere) > 1 else ''} {join_ranks(elsewhere)} never called it "
+            f"({'; '.join(where_is(state.ranks[r], state)[1] or '?' for r in elsewhere[:3])})"
+        )
+    else:
+        summary += (
+            ". If the job hung there, the ranks could not meet: MASTER_ADDR/MASTER_PORT, a firewall, "
+            "the world size, a node that never started; `sddoctor check-nccl` checks the network"
+        )
+    details = {"ranks": len(state.ranks), "waiting_in_init": ranks}
+    return Verdict("no_collectives", "info", summary, None, caller, details, [])
 
 
 def diagnose_replicas(state: RunState) -> list[Verdict]:
@@ -336,6 +369,11 @@ def diagnose_no_collectives(state: RunState) -> list[Verdict]:
     issued = any(r.snapshot.issued or r.snapshot.ddp_buckets for r in state.ranks.values())
     if issued or any(r.step_count for r in state.ranks.values()):
         return []
+    in_init = sorted(
+        r.rank for r in state.ranks.values() if (r.snapshot.waiting or {}).get("what") == "init_process_group"
+    )
+    if in_init:
+        return [_ended_in_init(state, in_init)]
     summary = (
         f"{len(state.ranks)} rank{'s' if len(state.ranks) > 1 else ''} joined a process group but issued no "
         "collective and finished no step: there was nothing to check for hangs, stragglers or mismatches"

@@ -727,6 +727,9 @@ def _startup_hang(
     evidence = evidence + [
         _process_text(p) for p in state.unjoined if p.get("spawn_index") not in state.ranks
     ]
+    unreachable = state.unreachable_world()
+    if unreachable is not None:
+        return unreachable_world_hang(unreachable, details, evidence)
     if waiters:
         what = sorted({str(m.get("what")) for m in waiters.values()})
         caller = next((m.get("caller") for m in waiters.values() if m.get("caller")), None)
@@ -766,6 +769,28 @@ def _startup_hang(
         line, found = said
         details["known_error"] = found.to_dict()
         evidence = [*evidence, f"the job's output says: {line[:300]}", found.advice]
+    return Verdict("hang.startup", "error", summary, None, caller, details, evidence)
+
+
+def unreachable_world_hang(found: dict[str, Any], details: dict[str, Any], evidence: list[str]) -> Verdict:
+    """Every rank waits in init_process_group for a world larger than the job's processes."""
+    wanted, processes, ranks = found["waiting_for"], found["processes"], found["ranks"]
+    caller = found.get("caller")
+    summary = (
+        f"hang at start-up: rank{'s' if len(ranks) > 1 else ''} {join_ranks(ranks)} wait"
+        f"{'' if len(ranks) > 1 else 's'} in init_process_group for {wanted} ranks"
+        + (f" (called at {caller})" if caller else "")
+        + f", but the job has only {processes} process{'es' if processes != 1 else ''} ({found['source']}): "
+        "the rendezvous can never "
+        f"complete. The world size given to init_process_group must equal the number of processes: pass "
+        f"world_size={processes}, or start {wanted} processes"
+    )
+    evidence = [
+        *evidence,
+        "a common cause: world_size taken from torch.cuda.device_count() or a constant while another "
+        "number of processes is started (mp.spawn's nprocs, --nproc-per-node, CUDA_VISIBLE_DEVICES)",
+    ]
+    details = {**details, "unreachable_world": found}
     return Verdict("hang.startup", "error", summary, None, caller, details, evidence)
 
 

@@ -144,7 +144,12 @@ def unfired_faults(report: dict[str, Any]) -> list[str]:
     """A line for each injected fault (SDDOCTOR_FAULT in run.json) that no rank fired in a run that
     has ended: a test of sddoctor whose fault never happened must not read as a clean bill."""
     spec = (report.get("run") or {}).get("fault")
-    if not isinstance(spec, str) or report.get("outcome") in (None, "running", "usage_error", "preflight_failed"):
+    if not isinstance(spec, str) or report.get("outcome") in (
+        None,
+        "running",
+        "usage_error",
+        "preflight_failed",
+    ):
         return []
     fired = {
         str(event.get("fault", "")).strip()

@@ -215,6 +215,9 @@ class RunState:
     unjoined: list[dict[str, Any]] = field(default_factory=list)
     #: Workers an mp.spawn parent started (a hint of the world size before any rank joins).
     spawned_nprocs: int | None = None
+    #: The world size the launcher's options say (torchrun's nproc x nnodes, accelerate's
+    #: num_processes; run.json), None for a launcher that does not say (python, a shell script).
+    launcher_world_size: int | None = None
     #: mp.spawn workers that failed before they became ranks (`watch.Watcher.unjoined_failures`).
     unjoined_failures: list[dict[str, Any]] = field(default_factory=list)
     #: Stragglers declared by the supervisor's tracker (`straggler.Episode.to_dict()`); None when no
@@ -318,6 +321,45 @@ class RunState:
             for other in self.ranks.values()
         )
 
+    def unreachable_world(self, at_end: bool = False) -> dict[str, Any] | None:
+        """The ranks wait in init_process_group for more ranks than the job can ever have, so the
+        rendezvous cannot complete however long it waits (mp.spawn's nprocs=2 with world_size=4, a
+        script's own world_size under torchrun): {waiting_for, processes, source, ranks, caller},
+        once every live rank has waited there for the hang timeout. An mp.spawn job counts only
+        when its rendezvous is on this host (a loopback MASTER_ADDR): with another address the
+        missing ranks may be another node's workers, which start when that node does. `at_end`: the
+        job has ended (stopped while its ranks waited there): every rank counts, however long it waited."""
+        live = [r for r in self.ranks.values() if at_end or not r.exited]
+        waits = [r.snapshot.waiting for r in live]
+        if not live or any(not w or w.get("what") != "init_process_group" for w in waits):
+            return None
+        sizes = {w.get("world_size") for w in waits if w}
+        since = [float(t) for w in waits if w and isinstance(t := w.get("since"), (int, float))]
+        if len(sizes) != 1 or len(since) != len(waits):
+            return None
+        (wanted,) = sizes
+        if not isinstance(wanted, int) or (not at_end and self.now - max(since) < self.hang_timeout):
+            return None
+        if self.spawned_nprocs is not None:
+            processes, source = self.spawned_nprocs, "mp.spawn's nprocs"
+            addresses = {r.comm_env.get("MASTER_ADDR") for r in self.ranks.values()}
+            if not addresses or not addresses <= _LOOPBACK:
+                return None
+        elif self.launcher_world_size is not None:
+            processes, source = self.launcher_world_size, "the launcher's options"
+        else:
+            return None
+        if processes >= wanted:
+            return None
+        caller = next((w.get("caller") for w in waits if w and w.get("caller")), None)
+        return {
+            "waiting_for": wanted,
+            "processes": processes,
+            "source": source,
+            "ranks": sorted(r.rank for r in live),
+            "caller": caller,
+        }
+
     @property
     def in_startup(self) -> bool:
         """Within the start-up allowance while some expected rank has not started working yet."""
@@ -340,11 +382,17 @@ class RunState:
             return True
         if not any(r.state for r in self.ranks.values()) and self.spawned_nprocs is None:
             return False  # no process of the job is a rank: no progress can be measured
+        if self.unreachable_world() is not None:
+            return True  # no start-up allowance helps: the ranks wait for processes that do not exist
         if self.in_startup:
             return False
         if not any(r.snapshot.started_work for r in self.ranks.values()):
             return self.now - self.started >= self.startup_timeout  # nobody got past start-up
         return self.stalled_for >= self.hang_timeout
+
+
+#: MASTER_ADDR values that name this host only
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
 
 
 @dataclass

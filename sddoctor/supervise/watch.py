@@ -14,7 +14,7 @@ from sddoctor.supervise.facts import apply_facts
 from sddoctor.supervise.fatal_dump import read_fatal_dump
 from sddoctor.supervise.state import Arrival, RankState, RunState
 from sddoctor.telemetry import EventTail, RunDir, read_json, read_state
-from sddoctor.telemetry.runinfo import RunOptions
+from sddoctor.telemetry.runinfo import RunOptions, read_run_info
 from sddoctor.telemetry.snapshot import Collective, StepRecord
 from sddoctor.telemetry.timeline import decode_calls, timeline_file
 
@@ -62,6 +62,8 @@ class Watcher:
         self._last_cpu: dict[int, tuple[float, float]] = {}  # rank -> (snapshot t, main_cpu_s)
         self.last_progress: float | None = None
         self.world_size: int | None = None
+        #: what the launcher's options say of the world size (run.json, written before the job starts)
+        self.launcher_world_size: int | None = read_run_info(run_dir).world_size
 
     def _rank(self, rank: int) -> RankState:
         if rank not in self.ranks:
@@ -367,6 +369,7 @@ class Watcher:
             straggler_ratio=self.options.straggler_ratio,
             startup_timeout=self.options.startup_timeout,
             spawned_nprocs=self.spawned_nprocs,
+            launcher_world_size=self.launcher_world_size,
             unjoined_failures=self.unjoined_failures(),
         )
         if facts is not None:
