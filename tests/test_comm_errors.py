@@ -152,3 +152,14 @@ def test_input_without_a_terminal_is_named_by_type_and_words() -> None:
     assert "standard input" in found.summary_clause()
     assert known_exception_type("EOFError", "Ran out of input") is None
     assert known_exception_type("ValueError", "EOF when reading a line") is None
+
+
+def test_ranks_that_built_different_models_are_told_so() -> None:
+    """DDP's construction raises this on the rank whose parameters differ from rank 0's."""
+    message = (
+        "[1]: params[0] in this process with sizes [64, 8] appears not to match sizes of the same "
+        "param in process 0."
+    )
+    found = known_error(message)
+    assert found is not None and found.code == "ddp_model_mismatch", found
+    assert "built different models" in found.summary_clause()

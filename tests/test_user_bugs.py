@@ -35,6 +35,7 @@ CASES: dict[str, dict[str, str]] = {
     "caught": {"BUG": "caught"},
     "caught_log": {"BUG": "caught_log"},
     "prompt": {"BUG": "prompt"},
+    "model": {"BUG": "model"},
 }
 
 
@@ -206,3 +207,12 @@ def test_a_question_asked_on_standard_input_is_said_to_be_one(runs: dict) -> Non
     assert v["location"] == script_line("# PROMPT", SCRIPT), v
     assert v["details"]["known_error"]["code"] == "prompt_without_terminal", v
     assert "standard input" in v["summary"], v
+
+
+def test_ranks_that_built_different_models_are_told_so(runs: dict) -> None:
+    """DDP's construction finds rank 1's parameters unlike rank 0's: a crash at the DDP line, with
+    the cause in words."""
+    v = _verdict(_run(runs, "model", 1))
+    assert (v["kind"], v["culprit_rank"]) == ("crash", 1), v
+    assert v["location"] == script_line("# WRAP", SCRIPT), v
+    assert v["details"]["known_error"]["code"] == "ddp_model_mismatch", v

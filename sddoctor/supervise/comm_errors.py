@@ -66,6 +66,12 @@ _NCCL_REMOTE = re.compile(
     r"remote process exited or there was a network error|ncclRemoteError", re.IGNORECASE
 )
 _NCCL_VERSION = re.compile(r"NCCL version mismatch|ncclInvalidUsage.*version", re.IGNORECASE)
+#: DDP's construction compares every rank's parameters with rank 0's
+_DDP_MODEL_MISMATCH = re.compile(
+    r"appears not to match (?:sizes|strides) of the same param in process|"
+    r"DDP expects same model across all ranks",
+    re.IGNORECASE,
+)
 #: "port: 29500" (TCPStore's own words), "[host]:29500", "127.0.0.1:29500", "localhost:29500",
 #: "connect to (host, 29500)"; not a "file.py:41" of a traceback
 _PORT = re.compile(
@@ -146,6 +152,16 @@ _FIXED: tuple[tuple[re.Pattern[str], str, str, str], ...] = (
         "nccl_version",
         "the ranks load different NCCL versions: install the same torch (and NCCL) on every node",
         "the ranks load different NCCL versions",
+    ),
+    (
+        _DDP_MODEL_MISMATCH,
+        "ddp_model_mismatch",
+        "the ranks built different models: DDP compares every rank's parameters (their number, "
+        "shapes and strides) with rank 0's as it wraps the model, and this rank's differ. Every "
+        "rank must build the same model: look for what differs per rank in its construction (a "
+        "config or checkpoint read per rank, a branch on the rank, a random choice without a shared "
+        "seed, a layer added only on some ranks)",
+        "its model's parameters differ from rank 0's (the ranks built different models)",
     ),
     (
         _RENDEZVOUS_TIMEOUT,

@@ -23,6 +23,7 @@ BUG=order), BUG, one of:
                prints its traceback (traceback.print_exc) and returns: every rank ends with code 0
   caught_log   the same, reported with logging's logger.exception, then sys.exit(0)
   prompt       rank 1 asks a question with input() at step AT (no terminal: end-of-input)
+  model        rank 1 builds its model with a wider hidden layer (a config read per rank)
 """
 
 import logging
@@ -44,9 +45,10 @@ STEP_SECONDS = float(os.environ.get("STEP_SECONDS", "0"))
 CLASSES = 4
 
 
-def make_model():
-    norm = nn.BatchNorm1d(32) if os.environ.get("BN", "1") == "1" else nn.Identity()
-    return nn.Sequential(nn.Linear(16, 32), norm, nn.ReLU(), nn.Linear(32, CLASSES))
+def make_model(rank):
+    hidden = 64 if BUG == "model" and rank == 1 else 32  # a config read per rank
+    norm = nn.BatchNorm1d(hidden) if os.environ.get("BN", "1") == "1" else nn.Identity()
+    return nn.Sequential(nn.Linear(16, hidden), norm, nn.ReLU(), nn.Linear(hidden, CLASSES))
 
 
 def load_shard(rank):
@@ -130,7 +132,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DDP(make_model())
+    model = DDP(make_model(rank))  # WRAP
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     shard, xval = load_shard(rank), torch.randn(BATCH, 16)
     total = 0
