@@ -284,10 +284,22 @@ def _exited_early(state: RunState, victim: RankState, *, clean_end: bool = False
     summary = (
         f"rank {rank.rank} ended (exit code 0) after {issued} collective{'s' if issued != 1 else ''} "
         f"on group {pg} while rank{'s' if len(waiting) > 1 else ''} {join_ranks(waiting)} went on to #{seq}"
-        f"; {they} failed as a consequence (the peer closed its connection)"
     )
-    if clean_end:
-        summary += f", and {they} caught that error: every rank ended with code 0, which hid the failure"
+    victim_failed = victim.exception is not None or (
+        victim.snapshot.failed is not None and victim.snapshot.failed.error is not None
+    )
+    if not clean_end:
+        summary += f"; {they} failed as a consequence (the peer closed its connection)"
+    elif victim_failed:
+        summary += (
+            f"; {they} failed as a consequence (the peer closed its connection), and {they} caught that "
+            "error: every rank ended with code 0, which hid the failure"
+        )
+    else:
+        summary += (
+            f"; with no peer left, {'their' if len(waiting) > 1 else 'its'} last calls could not complete, "
+            "and every rank ended with code 0, which hid the failure"
+        )
     if caught is not None:
         summary += f". Rank {rank.rank} left its loop because its program {handled_error_text(caught)}"
         location = caught.get("caller") or location
