@@ -36,6 +36,7 @@ CASES: dict[str, dict[str, str]] = {
     "caught_log": {"BUG": "caught_log"},
     "prompt": {"BUG": "prompt"},
     "model": {"BUG": "model"},
+    "caught_barrier": {"BUG": "caught_barrier"},
 }
 
 
@@ -216,3 +217,13 @@ def test_ranks_that_built_different_models_are_told_so(runs: dict) -> None:
     assert (v["kind"], v["culprit_rank"]) == ("crash", 1), v
     assert v["location"] == script_line("# WRAP", SCRIPT), v
     assert v["details"]["known_error"]["code"] == "ddp_model_mismatch", v
+
+
+def test_a_caught_error_that_leaves_a_rank_in_its_cleanup_is_named_in_the_hang(runs: dict) -> None:
+    """Rank 1 raises, its script prints the traceback and goes to its cleanup's barrier while rank 0
+    waits in its step: the hang names rank 1, the error it caught, and the line that raised it."""
+    v = _verdict(_run(runs, "caught_barrier"))
+    assert v["kind"].startswith("hang.") and v["culprit_rank"] == 1, v
+    assert v["location"] == script_line("# BAD SAMPLE", SCRIPT), v
+    assert v["details"]["handled_error"]["type"] == "ValueError", v
+    assert "caught ValueError" in v["summary"] and script_line("# CLEANUP BARRIER", SCRIPT) in v["summary"], v

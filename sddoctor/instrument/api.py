@@ -245,6 +245,7 @@ class RankSession:
         from sddoctor.instrument.exit_hooks import handled_error_fields
 
         self._handled_error = handled_error_fields(exc)
+        self.writer.update_state(handled_error=self._handled_error)  # a hang's verdict may need it
 
     def _record_missed_uncaught(self) -> None:
         """The script replaced sys.excepthook without calling ours (a logging hook that calls

@@ -115,7 +115,33 @@ def in_dataloader(rank: RankState) -> bool:
 def diagnose_hang(state: RunState) -> list[Verdict]:
     """The hang's verdicts (`classify_hang`), with the threads of the ranks that died of an
     uncaught exception before it (`thread_exception` warnings) as evidence."""
-    return [with_thread_deaths(state, v) for v in classify_hang(state)]
+    return [with_caught_error(state, with_thread_deaths(state, v)) for v in classify_hang(state)]
+
+
+def with_caught_error(state: RunState, verdict: Verdict) -> Verdict:
+    """A culprit that caught an error and reported it after its last completed collective left the
+    common path because of it (`except Exception: traceback.print_exc()` around the loop, then the
+    cleanup's barrier): the verdict names that error and is placed at the line that raised it, the
+    line to fix; where the rank waits stays in the summary. A rank that ended is read by its exit."""
+    rank = state.ranks.get(verdict.culprit_rank) if verdict.culprit_rank is not None else None
+    if rank is None or rank.exited or "handled_error" in verdict.details:
+        return verdict
+    caught = rank.snapshot.handled_error
+    done = rank.snapshot.last_done
+    if caught is None or (done is not None and done.t is not None and float(caught["t"]) < done.t):
+        return verdict
+    found = dict(caught)
+    verdict.summary = (
+        f"{verdict.summary.rstrip('.')}. Rank {rank.rank} left the common path after its program "
+        f"{handled_error_text(found)}"
+    )
+    verdict.details["handled_error"] = found
+    verdict.evidence.append(
+        f"rank {rank.rank}: {found['type']}: {str(found.get('message'))[:300]} at {found.get('caller')}"
+    )
+    if found.get("caller"):
+        verdict.location = str(found["caller"])
+    return verdict
 
 
 def classify_hang(state: RunState) -> list[Verdict]:

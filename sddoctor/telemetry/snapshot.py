@@ -122,6 +122,13 @@ class Collective:
         return dict(self.record)
 
 
+def _handled(value: Any) -> Mapping[str, Any] | None:
+    """A caught error's record, when it names a type and a time."""
+    if isinstance(value, dict) and isinstance(value.get("type"), str) and _num(value.get("t")) is not None:
+        return value
+    return None
+
+
 def _collective(value: Any) -> Collective | None:
     """The one call a snapshot names (`last_done`, `failed`); an empty record names none."""
     return Collective.of(value) if isinstance(value, dict) and value else None
@@ -194,6 +201,8 @@ class RankSnapshot:
     phase: str | None = None
     #: what the rank waits in outside any traced collective: {what, since, caller}, or None
     waiting: Mapping[str, Any] | None = None
+    #: the last error the program caught and reported ({type, message, caller, t}), or None
+    handled_error: Mapping[str, Any] | None = None
     #: the last tick of the rank's heartbeat thread (about 1 Hz)
     heartbeat: float | None = None
     #: where the main thread was in the user's code when the snapshot was written ("file:line"),
@@ -245,6 +254,7 @@ class RankSnapshot:
             last_step=StepRecord.of(_dict(record.get("last_step"))),
             phase=_str(record.get("phase")),
             waiting=waiting if isinstance(waiting, dict) and waiting.get("what") else None,
+            handled_error=_handled(record.get("handled_error")),
             heartbeat=_num(record.get("heartbeat")),
             main_at=_str(main_at.get("at")),
             main_function=_str(main_at.get("function")),

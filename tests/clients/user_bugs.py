@@ -22,6 +22,7 @@ BUG=order), BUG, one of:
   caught       rank 1 finds a bad sample at step AT and raises; main() catches every exception,
                prints its traceback (traceback.print_exc) and returns: every rank ends with code 0
   caught_log   the same, reported with logging's logger.exception, then sys.exit(0)
+  caught_barrier  the same error, printed, then the script's cleanup: a barrier, in a `finally`
   prompt       rank 1 asks a question with input() at step AT (no terminal: end-of-input)
   model        rank 1 builds its model with a wider hidden layer (a config read per rank)
 """
@@ -152,7 +153,14 @@ def main():
 
 
 if __name__ == "__main__":
-    if BUG.startswith("caught"):
+    if BUG == "caught_barrier":
+        try:
+            main()
+        except Exception:
+            traceback.print_exc()
+        finally:
+            dist.barrier()  # CLEANUP BARRIER
+    elif BUG.startswith("caught"):
         try:
             main()
         except Exception:  # a script that reports any error and ends "cleanly"
