@@ -122,9 +122,11 @@ def with_caught_error(state: RunState, verdict: Verdict) -> Verdict:
     """A culprit that caught an error and reported it after its last completed collective left the
     common path because of it (`except Exception: traceback.print_exc()` around the loop, then the
     cleanup's barrier): the verdict names that error and is placed at the line that raised it, the
-    line to fix; where the rank waits stays in the summary. A rank that ended is read by its exit."""
+    line to fix; where the rank waits stays in the summary. Only for a culprit that waits in a
+    collective of its own (a rank stuck elsewhere, reading a file, may have caught an unrelated
+    error on the way there). A rank that ended is read by its exit."""
     rank = state.ranks.get(verdict.culprit_rank) if verdict.culprit_rank is not None else None
-    if rank is None or rank.exited or "handled_error" in verdict.details:
+    if rank is None or rank.exited or "handled_error" in verdict.details or blocked_call(rank) is None:
         return verdict
     caught = rank.snapshot.handled_error
     done = rank.snapshot.last_done
