@@ -48,11 +48,19 @@ def describe_exit(exit_info: dict[str, Any] | None) -> str:
     return f"exited with code {code}" if code is not None else "ended"
 
 
-def handled_error(exit_info: dict[str, Any] | None) -> dict[str, Any] | None:
+def handled_error(exit_info: dict[str, Any] | None, rank: RankState) -> dict[str, Any] | None:
     """The error a rank's program caught and reported before it ended with code 0 (its `exit`
-    event's `handled_error`: a printed traceback, logger.exception, sys.exit(0) inside `except`)."""
+    event's `handled_error`: a printed traceback, logger.exception, sys.exit(0) inside `except`),
+    when it came after the rank's last completed collective: one caught earlier, after which the
+    rank went on, is not why it left."""
     found = (exit_info or {}).get("handled_error")
-    return found if isinstance(found, dict) and found.get("type") else None
+    if not isinstance(found, dict) or not found.get("type"):
+        return None
+    done = rank.snapshot.last_done
+    t = found.get("t")
+    if done is not None and done.t is not None and isinstance(t, (int, float)) and t < done.t:
+        return None
+    return found
 
 
 def handled_error_text(found: dict[str, Any]) -> str:

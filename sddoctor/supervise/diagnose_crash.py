@@ -280,7 +280,7 @@ def _exited_early(state: RunState, victim: RankState, *, clean_end: bool = False
     exit_call = (exit_info or {}).get("caller")
     waiting = sorted(r.rank for r in state.ranks.values() if r.rank not in {g[0].rank for g in gone})
     they = "they" if len(waiting) > 1 else "it"
-    caught = handled_error(exit_info)
+    caught = handled_error(exit_info, rank)
     summary = (
         f"rank {rank.rank} ended (exit code 0) after {issued} collective{'s' if issued != 1 else ''} "
         f"on group {pg} while rank{'s' if len(waiting) > 1 else ''} {join_ranks(waiting)} went on to #{seq}"

@@ -721,7 +721,7 @@ def absent_rank_position(
         )
         exit_info = rank_exit(rank, state)
         how = f"it {describe_exit(exit_info)}"
-        caught = handled_error(exit_info)
+        caught = handled_error(exit_info, rank)
         if not fault and ended_cleanly(rank, exit_info) and caught is not None:
             how += f" after its program {handled_error_text(caught)}, having run fewer collectives than the others"
             location = caught.get("caller") or location
