@@ -214,3 +214,43 @@ def test_a_single_process_without_rank_env_writes_as_rank_0(tmp_path: Path) -> N
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert [e["kind"] for e in events(tmp_path, 0)] == ["start", "step", "exit"]
+
+
+CAUGHT_AND_REPORTED = """\
+import logging, sys, traceback
+logging.basicConfig(format="%(filename)s:%(lineno)d %(funcName)s %(message)s")
+log = logging.getLogger("train")
+
+def load():
+    return 1 / 0  # RAISE
+
+def main():
+    try:
+        load()
+    except ZeroDivisionError:
+        log.exception("loading failed")  # LOG
+        traceback.print_exc()
+        sys.exit(0)
+
+main()
+"""
+
+
+def test_an_error_the_program_reports_and_survives_is_kept_and_its_report_unchanged(tmp_path: Path) -> None:
+    """A rank that catches an error, logs it with logger.exception, prints it and ends with
+    sys.exit(0): its output is what it would be without sddoctor (the log record names the
+    program's own line and function, not sddoctor's wrapper), and its exit event keeps the error
+    and the line that raised it."""
+    script = tmp_path / "caught.py"
+    script.write_text(CAUGHT_AND_REPORTED)
+    run_dir = tmp_path / "run"
+    env = _env(run_dir, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    log_line = next(line for line in out.stderr.splitlines() if "loading failed" in line)
+    assert log_line == "caught.py:12 main loading failed", out.stderr
+    assert out.stderr.count("ZeroDivisionError: division by zero") == 2, out.stderr  # logged, printed
+    (exit_event,) = events(run_dir, 0, "exit")
+    caught = exit_event["handled_error"]
+    assert (caught["type"], caught["caller"]) == ("ZeroDivisionError", f"{script}:6"), exit_event
+    assert exit_event["status"] == "ok" and exit_event["caller"] == f"{script}:14", exit_event

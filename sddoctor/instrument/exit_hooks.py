@@ -359,8 +359,9 @@ def _install_error_reports() -> None:
     def exception_noted(self: logging.Logger, msg: object, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("exc_info", True) is True:
             _note_handled(sys.exc_info()[1])
-        # one frame more to skip: the record's file, line and function stay the program's
-        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        level = kwargs.get("stacklevel", 1)
+        if isinstance(level, int):  # one frame more to skip: the record's line stays the program's
+            kwargs["stacklevel"] = level + 1
         log_exception(self, msg, *args, **kwargs)
 
     functools.update_wrapper(print_exception_noted, print_exception)

@@ -1175,8 +1175,12 @@ def _describe(payload: Any, kind: str) -> tuple[list[Any], list[Any], bool]:
 
 
 def error_text(exc: BaseException) -> str:
-    """An exception as a failed call's record keeps it: its type and the start of its message."""
-    return f"{type(exc).__name__}: {exc}"[:500]
+    """An exception as a failed call's record keeps it: its type and the start of its message.
+    Called where the user's exception is on its way out: nothing may raise here."""
+    try:
+        return f"{type(exc).__name__}: {exc}"[:500]
+    except Exception:  # noqa: BLE001 - an exception whose str() fails: its type says enough
+        return type(exc).__name__
 
 
 def future_error(fut: Any) -> str | None:
