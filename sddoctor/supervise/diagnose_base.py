@@ -51,16 +51,26 @@ def describe_exit(exit_info: dict[str, Any] | None) -> str:
 def handled_error(exit_info: dict[str, Any] | None, rank: RankState) -> dict[str, Any] | None:
     """The error a rank's program caught and reported before it ended with code 0 (its `exit`
     event's `handled_error`: a printed traceback, logger.exception, sys.exit(0) inside `except`),
-    when it came after the rank's last completed collective: one caught earlier, after which the
-    rank went on, is not why it left."""
-    found = (exit_info or {}).get("handled_error")
-    if not isinstance(found, dict) or not found.get("type"):
+    when it came after the rank's last completed collective (`caught_after_last_call`)."""
+    return caught_after_last_call((exit_info or {}).get("handled_error"), rank)
+
+
+def caught_after_last_call(found: Any, rank: RankState) -> dict[str, Any] | None:
+    """`found`, a caught error's record (an exit event's or the rank's snapshot's), when it came after
+    the rank's last completed collective: one caught earlier, after which the rank went on, is not
+    why it left the common path."""
+    if not isinstance(found, Mapping) or not found.get("type"):
         return None
     done = rank.snapshot.last_done
     t = found.get("t")
     if done is not None and done.t is not None and isinstance(t, (int, float)) and t < done.t:
         return None
-    return found
+    return dict(found)
+
+
+def handled_error_evidence(rank: int, found: dict[str, Any]) -> str:
+    """The evidence line of a caught error: "rank 1: ValueError: bad caption at train.py:35"."""
+    return f"rank {rank}: {found['type']}: {str(found.get('message'))[:300]} at {found.get('caller')}"
 
 
 def handled_error_text(found: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from sddoctor.supervise.diagnose_base import (
     exception_location,
     fault_of,
     handled_error,
+    handled_error_evidence,
     handled_error_text,
     join_ranks,
     killed_by_fault,
@@ -322,10 +323,7 @@ def _exited_early(state: RunState, victim: RankState, *, clean_end: bool = False
         + (f"raised: {message[:200]}" if message else "ended without completing it"),
     ]
     if caught is not None:
-        evidence.insert(
-            1,
-            f"rank {rank.rank}: {caught['type']}: {str(caught.get('message'))[:300]} at {caught.get('caller')}",
-        )
+        evidence.insert(1, handled_error_evidence(rank.rank, caught))
     return Verdict(
         kind="exited_early",
         severity="error",

@@ -25,11 +25,13 @@ from sddoctor.supervise.callhistory import (
 from sddoctor.supervise.comm_errors import KnownError, known_error
 from sddoctor.supervise.diagnose_base import (
     asleep_text,
+    caught_after_last_call,
     describe_exit,
     ended_cleanly,
     exception_location,
     fault_of,
     handled_error,
+    handled_error_evidence,
     handled_error_text,
     join_ranks,
     rank_exit,
@@ -128,19 +130,15 @@ def with_caught_error(state: RunState, verdict: Verdict) -> Verdict:
     rank = state.ranks.get(verdict.culprit_rank) if verdict.culprit_rank is not None else None
     if rank is None or rank.exited or "handled_error" in verdict.details or blocked_call(rank) is None:
         return verdict
-    caught = rank.snapshot.handled_error
-    done = rank.snapshot.last_done
-    if caught is None or (done is not None and done.t is not None and float(caught["t"]) < done.t):
+    found = caught_after_last_call(rank.snapshot.handled_error, rank)
+    if found is None:
         return verdict
-    found = dict(caught)
     verdict.summary = (
         f"{verdict.summary.rstrip('.')}. Rank {rank.rank} left the common path after its program "
         f"{handled_error_text(found)}"
     )
     verdict.details["handled_error"] = found
-    verdict.evidence.append(
-        f"rank {rank.rank}: {found['type']}: {str(found.get('message'))[:300]} at {found.get('caller')}"
-    )
+    verdict.evidence.append(handled_error_evidence(rank.rank, found))
     if found.get("caller"):
         verdict.location = str(found["caller"])
     return verdict
@@ -722,14 +720,15 @@ def absent_rank_position(
         exit_info = rank_exit(rank, state)
         how = f"it {describe_exit(exit_info)}"
         caught = handled_error(exit_info, rank)
-        if not fault and ended_cleanly(rank, exit_info) and caught is not None:
-            how += f" after its program {handled_error_text(caught)}, having run fewer collectives than the others"
-            location = caught.get("caller") or location
-        elif not fault and ended_cleanly(rank, exit_info):
-            how += (
-                ", having run fewer collectives than the others: uneven data per rank "
-                "(DistributedSampler(drop_last=True), or DDP's Join context) or a rank that leaves its loop early"
-            )
+        if not fault and ended_cleanly(rank, exit_info):
+            if caught is not None:
+                how += f" after its program {handled_error_text(caught)}, having run fewer collectives than the others"
+                location = caught.get("caller") or location
+            else:
+                how += (
+                    ", having run fewer collectives than the others: uneven data per rank "
+                    "(DistributedSampler(drop_last=True), or DDP's Join context) or a rank that leaves its loop early"
+                )
         return location, how
     location, how = where_is(rank, state)
     fault = fault_of(rank, ("skip",))
